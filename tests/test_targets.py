@@ -1,0 +1,121 @@
+"""Targets as people load them: half precision, bitsandbytes 4-bit / 8-bit, and `device_map="auto"`.
+
+Each test loads the head the way a user would (`AutoModel.from_pretrained(head_dir, ...)`), readies it for the target
+with `prepare_head`, and checks that DART's greedy output equals plain `generate` on the same target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, BitsAndBytesConfig
+
+import dart_hf
+from conftest import make_head, make_target, prompts
+from dart_hf.placement import head_placement, module_device, prepare_head
+from dart_hf.target_binding import decoder_layers
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> tuple[Path, Path]:
+    """A saved tiny Qwen3 target and a saved float32 head (wide tree, so drafts do get accepted)."""
+    root = tmp_path_factory.mktemp("targets")
+    target = make_target("qwen3")
+    head = make_head(target, tree_top_k=48, beam_width=16, node_budget=32)
+    target.save_pretrained(root / "target")
+    head.save_pretrained(root / "head")
+    return root / "target", root / "head"
+
+
+def assert_lossless(target, head, n_prompts: int = 2) -> None:
+    """DART == plain greedy on `n_prompts` prompts. The head drafts with an n-gram of the target's own greedy text,
+    so the accepted-draft path (tree verify + cache compaction in this dtype / quantisation) really runs."""
+    device = module_device(decoder_layers(target)[0])
+    inputs = [ids.to(device) for ids in prompts(n_prompts, seed=21)]
+    plain = [target.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS) for ids in inputs]
+    vocab = target.config.vocab_size
+    head.ngram = dart_hf.NGramModel.build([p[0].tolist() for p in plain], order=3, vocab_size=vocab, progress=False)
+    accepted = []
+    for ids, want in zip(inputs, plain):
+        dart = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(dart, want), f"DART diverged from plain generate on a {target.dtype} target"
+        accepted += head.stats["accepted_lengths"]
+    assert max(accepted) > 1, "no draft was ever accepted: the test did not exercise tree acceptance"
+
+
+# ---------------------------------------------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_target_and_head(folders, dtype):
+    target_dir, head_dir = folders
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    head = AutoModel.from_pretrained(head_dir, dtype=dtype).eval()
+    assert isinstance(head, dart_hf.DartHead) and head.dtype == dtype
+    assert_lossless(target, head)
+
+
+def test_prepare_head_casts_a_float32_head_to_the_target(folders):
+    target_dir, head_dir = folders
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    head = prepare_head(AutoModel.from_pretrained(head_dir).eval(), target)
+    assert head.dtype == torch.bfloat16 and head.device == target.device
+    assert_lossless(target, head, n_prompts=1)
+
+
+# ---------------------------------------------------------------------------------------------------- bitsandbytes
+def _quantized_target(target_dir: Path, config: BitsAndBytesConfig):
+    """Load the target quantised and run one forward; skip with the measured reason when bitsandbytes cannot."""
+    try:
+        import bitsandbytes  # noqa: F401
+
+        target = AutoModelForCausalLM.from_pretrained(target_dir, quantization_config=config, device_map="cpu").eval()
+        with torch.no_grad():
+            target(torch.tensor([[3, 4, 5]]))
+    except Exception as err:  # bitsandbytes reports a missing backend in many ways
+        pytest.skip(f"bitsandbytes cannot run on this machine: {type(err).__name__}: {err}")
+    return target
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("nf4", BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)),
+        ("int8", BitsAndBytesConfig(load_in_8bit=True)),
+    ],
+)
+def test_bitsandbytes_target(folders, name, config):
+    target_dir, head_dir = folders
+    target = _quantized_target(target_dir, config)
+    linear = decoder_layers(target)[0].mlp.up_proj
+    assert type(linear).__module__.startswith("bitsandbytes"), f"{name}: the target was not quantised"
+    head = prepare_head(AutoModel.from_pretrained(head_dir).eval(), target)
+    assert head.dtype == target.get_input_embeddings().weight.dtype
+    assert_lossless(target, head)
+
+
+# ---------------------------------------------------------------------------------------------------- placement
+def test_device_map_auto_target(folders):
+    target_dir, head_dir = folders
+    target = AutoModelForCausalLM.from_pretrained(target_dir, device_map="auto").eval()
+    # CPU-only: accelerate puts everything on the CPU (no split to test here; see the next test for that logic)
+    assert {p.device.type for p in target.parameters()} == {"cpu"}
+    head = prepare_head(AutoModel.from_pretrained(head_dir).eval(), target)
+    assert head.device == module_device(decoder_layers(target)[-1])
+    assert_lossless(target, head)
+
+
+def test_head_goes_beside_the_last_decoder_layer():
+    """On a split target the head follows the last layer's execution device (accelerate hook), not target.device."""
+    target = make_target("qwen3")
+    layers = decoder_layers(target)
+    layers[-1]._hf_hook = SimpleNamespace(execution_device=1)  # what accelerate sets for a layer placed on GPU 1
+    assert head_placement(target) == (torch.device("cuda", 1), torch.float32)
+    layers[-1]._hf_hook = SimpleNamespace(execution_device=torch.device("cpu"))
+    assert module_device(layers[-1]) == torch.device("cpu")
+    del layers[-1]._hf_hook
+    assert module_device(nn.Linear(2, 2).to(torch.device("meta"))) == torch.device("meta")
