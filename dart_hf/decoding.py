@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
@@ -28,6 +29,7 @@ class StepTimer:
     def __init__(self, device: torch.device, enabled: bool):
         self.sync = enabled and device.type == "cuda"
         self.totals: dict[str, float] = {}
+        self.last: dict[str, float] = {}  # the latest duration of each phase
 
     @contextmanager
     def phase(self, name: str):
@@ -37,7 +39,8 @@ class StepTimer:
         yield
         if self.sync:
             torch.cuda.synchronize()
-        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+        self.last[name] = time.perf_counter() - start
+        self.totals[name] = self.totals.get(name, 0.0) + self.last[name]
 
 
 def _check_supported(model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
@@ -67,8 +70,25 @@ def _first_stop(
     input_ids: torch.Tensor, n_new: int, stopping_criteria: StoppingCriteriaList, scores
 ) -> int | None:
     """Index (0-based, within the n_new tokens just appended) of the first token after which generation stops,
-    checking every prefix as plain generate would have, one token at a time."""
+    checking every prefix as plain generate would have, one token at a time.
+
+    Fast path for the usual criteria (max length, EOS): arithmetic plus one vectorised EOS lookup, one host sync
+    per step instead of one per new token."""
     start = input_ids.shape[1] - n_new
+    if all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria):
+        limit = n_new  # index of the first stopping token; n_new: none
+        for c in stopping_criteria:
+            if type(c) is MaxLengthCriteria:
+                limit = min(limit, max(c.max_length - start - 1, 0))
+        span = input_ids[0, start : start + limit]
+        for c in stopping_criteria:
+            if type(c) is EosTokenCriteria and span.numel():
+                c.eos_token_id = c.eos_token_id.to(input_ids.device)  # as EosTokenCriteria itself does
+                hit = torch.isin(span, c.eos_token_id).nonzero()
+                if hit.numel():
+                    limit = int(hit[0, 0])
+                    span = span[:limit]
+        return limit if limit < n_new else None
     for j in range(n_new):
         if bool(stopping_criteria(input_ids[:, : start + j + 1], scores).any()):
             return j
@@ -84,7 +104,7 @@ def dart_decode(
     generation_config: GenerationConfig,
     dart_head: DartHead | None = None,
     dart_streamer=None,
-    dart_node_budget: int | None = None,
+    dart_node_budget: int | str | None = None,
     dart_timing: bool = False,
     **model_kwargs,
 ):
@@ -92,7 +112,8 @@ def dart_decode(
 
     dart_head: the draft head. dart_streamer: a transformers streamer (transformers does not forward
     `streamer` to custom decoding callables, so the routing passes it under this name).
-    dart_node_budget: tree size override (default: the head's config, or its cost-aware choice).
+    dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
+    (`dart_hf.cost_model`); default: the head's config (`node_budget=None` there also means "auto").
     dart_timing: synchronise CUDA around phases so `head.stats` timings are exact.
     """
     if not isinstance(dart_head, DartHead):
@@ -115,11 +136,22 @@ def dart_decode(
     )
     eos = generation_config._eos_token_tensor
     eos = eos.to(head.device).view(-1) if eos is not None else None
-    budget = dart_node_budget or head.node_budget_for(model)
+    controller = None
+    if dart_node_budget == "auto" or (dart_node_budget is None and head.config.node_budget is None):
+        from .cost_model import budget_controller
+
+        controller = budget_controller(head, model)
+        budget = controller.max_budget
+    elif isinstance(dart_node_budget, str) or (dart_node_budget is not None and int(dart_node_budget) < 1):
+        raise ValueError(f'dart_node_budget must be a positive int or "auto", got {dart_node_budget!r}')
+    else:
+        budget = dart_node_budget or head.node_budget_for(model)
     params = TreeSearchParams.from_config(head.config, node_budget=budget)
+    budgets: list[int] = []
     ngram = head.ngram.to(head.device) if head.ngram is not None else None
     draft_to_target = head.draft_to_target
     timer = StepTimer(head.device, dart_timing)
+    exact_verify_time = model.device.type == "cpu" or timer.sync  # else phase times are launch times only
     all_scores, all_logits, accepted_lengths = [], [], []
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
@@ -145,6 +177,9 @@ def dart_decode(
         finished = _first_stop(input_ids, 1, stopping_criteria, processed) is not None
 
         while not finished:
+            step_start = time.perf_counter()
+            if controller is not None:
+                params.node_budget = controller.next_budget()
             remaining = generation_config.max_length - input_ids.shape[1]
             past_len = cache.get_seq_length()
             with timer.phase("draft"):
@@ -178,6 +213,10 @@ def dart_decode(
                 if stop is not None:
                     input_ids = input_ids[:, : input_ids.shape[1] - n_new + stop + 1]
                     n_new, finished = stop + 1, True
+            if controller is not None:
+                verify_s = timer.last["verify"] if exact_verify_time else None
+                controller.observe_tree(tree, acc.path, params.node_budget, time.perf_counter() - step_start, verify_s)
+            budgets.append(params.node_budget)
             accepted_lengths.append(n_new)
             if keep_scores:
                 all_scores.extend(acc.scores[:n_new].unsqueeze(1))
@@ -193,7 +232,9 @@ def dart_decode(
         "new_tokens": 1 + sum(accepted_lengths),
         "accepted_lengths": accepted_lengths,
         "mean_accepted_length": sum(accepted_lengths) / steps if steps else 0.0,
-        "node_budget": params.node_budget,
+        "node_budget": controller.best() if controller is not None else params.node_budget,
+        "node_budgets": budgets,
+        "budget_mode": "auto" if controller is not None else "fixed",
         "time": dict(timer.totals),
     }
     if generation_config.return_dict_in_generate:

@@ -112,18 +112,22 @@ class HeadKVCache:
         shape = (1, config.num_key_value_heads, capacity, config.head_dim)
         return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
 
-    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    def extend(self, k_new: torch.Tensor, v_new: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's new keys/values after the cached ones and return views over cached + new.
+
+        Only the first `keep` new rows (the real positions) stay cached; the MASK rows behind them are
+        overwritten by the next step. No per-step copy of the whole cache.
+        """
         n = k_new.shape[2]
         if self.length + n > self.k.shape[2]:
             cap = max(2 * self.k.shape[2], self.length + n)
             grow = lambda t: torch.cat([t, t.new_empty(*t.shape[:2], cap - t.shape[2], t.shape[3])], dim=2)
             self.k, self.v = grow(self.k), grow(self.v)
-        self.k[:, :, self.length : self.length + n] = k_new
-        self.v[:, :, self.length : self.length + n] = v_new
-        self.length += n
-
-    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+        end = self.length + n
+        self.k[:, :, self.length : end] = k_new
+        self.v[:, :, self.length : end] = v_new
+        self.length += keep
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 class DartPreTrainedModel(PreTrainedModel):
@@ -235,7 +239,8 @@ class DartHead(DartPreTrainedModel):
 
     def node_budget_for(self, target: PreTrainedModel) -> int:
         """Draft nodes verified per step: the config's fixed budget, or (node_budget=None) the budget that
-        maximises expected tokens per second on this target and device (`dart_hf.cost_model`)."""
+        maximises expected tokens per second on this target and device (`dart_hf.cost_model`; the tree loop
+        re-chooses it every step from running acceptance statistics, this returns its current best)."""
         if self.config.node_budget is not None:
             return self.config.node_budget
         from .cost_model import cost_aware_budget
@@ -243,11 +248,19 @@ class DartHead(DartPreTrainedModel):
         return cost_aware_budget(self, target)
 
     # ------------------------------------------------------------------ target binding
-    def bind_target(self, target: PreTrainedModel) -> None:
-        """Borrow the target's embedding (and lm_head when tied) after checking the head was built for it."""
+    def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:
+        """Borrow the target's embedding (and lm_head when tied) after checking the head was built for it.
+
+        With `place`, the head also moves to the device and floating dtype of the target's last decoder layer
+        (`dart_hf.placement`), so `generate(assistant_model=head)` works on any target as loaded; training
+        passes `place=False` to keep an fp32 head beside a bf16 target.
+        """
+        from .placement import prepare_head
         from .target_binding import check_head_matches_target
 
         check_head_matches_target(self, target)
+        if place:
+            prepare_head(self, target)
         self._target_modules = {"embed": target.get_input_embeddings()}
         if self.lm_head is None:
             self._target_modules["lm_head"] = target.get_output_embeddings()
@@ -307,12 +320,10 @@ class DartHead(DartPreTrainedModel):
         rows = slice(r - 1, r + k_slots)
         q = attn.queries(x[:, rows], cos[:, rows], sin[:, rows])
         k, v = attn.keys_values(x, cos, sin)
-        past_k, past_v = cache.view()
-        keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        keys, values = cache.extend(k, v, keep=r)
         q_pos = torch.arange(r - 1, r + k_slots, device=x.device).unsqueeze(1) + past
         mask = torch.arange(past + r + k_slots, device=x.device).unsqueeze(0) <= q_pos
         out = attn.attend(q, keys, values, mask)
-        cache.append(k[:, :, :r], v[:, :, :r])
         residual = torch.cat([real_res[:, -1:], mask_res], dim=1)
         return self._project(self._mlp_out(residual, out))[0].float()
 

@@ -86,10 +86,13 @@ class NGramModel:
         vocab_size: int | None = None,
         eos_token_id: int | None = None,
         progress: bool = True,
+        min_count: int = 1,
     ) -> "NGramModel":
         """Count every window of 1..order tokens of each sequence (EOS appended when given).
 
         `vocab_size` defaults to max id + 1; pass the target's vocab size so keys match the head's tokens.
+        `min_count` drops 2..order-grams seen fewer times (most of a big table, little of its signal), which
+        keeps the file small enough to ship next to a head; contexts then back off to shorter n-grams.
         """
         seqs = [np.asarray(s, dtype=np.int64) for s in sequences]
         if eos_token_id is not None:
@@ -107,8 +110,9 @@ class NGramModel:
         tables = {}
         for m, counter in counters.items():
             counter.compact()
-            tables[f"keys_{m}"] = torch.from_numpy(counter.keys)
-            tables[f"counts_{m}"] = torch.from_numpy(counter.counts)
+            keep = counter.counts >= (min_count if m > 1 else 1)
+            tables[f"keys_{m}"] = torch.from_numpy(counter.keys[keep])
+            tables[f"counts_{m}"] = torch.from_numpy(counter.counts[keep])
         return cls.from_counts(order, vocab_size, tables)
 
     @classmethod

@@ -60,10 +60,12 @@ def compact_cache(cache: DynamicCache, past_len: int, path: torch.Tensor) -> Non
     """Keep the cache entries of the accepted `path` (tree node indices, root first), moved to contiguous
     positions past_len .. past_len + len(path) - 1, and drop every other tree entry.
 
-    Done in place per layer: gather the path rows, write them right after the past, crop the rest.
+    Done in place per layer: gather the path rows, write them right after the past, crop the rest. When only the
+    root was accepted (the most common step for a weak head) its entry is already in place: crop only.
     """
     keep = past_len + path
     new_len = past_len + path.numel()
+    move = path.numel() > 1  # the root is node 0, already at past_len
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             raise ValueError("DART tree verification does not support sliding-window cache layers yet")
@@ -71,5 +73,6 @@ def compact_cache(cache: DynamicCache, past_len: int, path: torch.Tensor) -> Non
             continue
         for name in ("keys", "values"):
             t = getattr(layer, name)
-            t[..., past_len:new_len, :] = t[..., keep, :]
+            if move:
+                t[..., past_len:new_len, :] = t[..., keep, :]
             setattr(layer, name, t[..., :new_len, :])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
 import dart_hf
 
@@ -51,3 +52,19 @@ def llama():
 @pytest.fixture(scope="session")
 def llama_head(llama):
     return make_head(llama)
+
+
+WORDS = [f"w{i}" for i in range(100)]
+
+
+def make_word_tokenizer() -> PreTrainedTokenizerFast:
+    """A real fast tokenizer over 105 whole-word tokens with a chat template (ids 0-4 are special)."""
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<unk>", "<user>", "<assistant>", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return tok

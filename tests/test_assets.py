@@ -16,14 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from conftest import WORDS, make_word_tokenizer
 from dart_hf import assets
 from dart_hf.training import data
-
-WORDS = [f"w{i}" for i in range(100)]
-
 
 # ---------------------------------------------------------------------------------------------- fixtures
 
@@ -48,15 +45,7 @@ def sharegpt_file(tmp_path: Path) -> Path:
 
 @pytest.fixture()
 def tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<unk>", "<user>", "<assistant>", *WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    tok.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-    return tok
+    return make_word_tokenizer()
 
 
 @pytest.fixture()

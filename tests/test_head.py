@@ -242,7 +242,8 @@ def test_bf16_head_drafts_close_to_fp32(llama, vocab):
     scramble(head)
     half = copy.deepcopy(head).to(torch.bfloat16)
     head.bind_target(llama)
-    half.bind_target(llama)  # fp32 target, bf16 head: embeddings are cast to the head's dtype
+    half.bind_target(llama, place=False)  # fp32 target, bf16 head kept: embeddings are cast to the head's dtype
+    assert half.dtype == torch.bfloat16
     aux, nxt = head_inputs(llama, head, length=9)
     ref = fresh_draft(head, aux, nxt)
     cache = half.new_cache()
@@ -261,3 +262,9 @@ def test_bf16_target_and_head_generate():
     ids = prompts(1, seed=3)[0]
     out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
     assert out.shape == (1, ids.shape[1] + 12) and torch.equal(out[:, : ids.shape[1]], ids)
+
+
+def test_bind_target_places_the_head_like_the_target(llama):
+    head = make_head(llama).to(torch.bfloat16)
+    head.bind_target(llama)  # generate() binds this way: the head follows the target's dtype and device
+    assert head.dtype == llama.dtype and head.device == llama.device

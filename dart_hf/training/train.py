@@ -18,7 +18,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -47,8 +47,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 20
     save_every: int = 200
-    history: list = field(default_factory=list, repr=False)
-
+    
 
 def choose_draft_vocab(examples: list[Example], size: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent response tokens (plus `always`, e.g. EOS), as sorted target ids."""
@@ -134,7 +133,7 @@ def train_head(
     else:
         head, state = new_head(target, examples, cfg, eos_ids or []), None
     head.to(device).train()
-    head.bind_target(target)
+    head.bind_target(target, place=False)
     params = [p for p in head.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total_steps = int(cfg.epochs * len(examples) / cfg.grad_accum)
@@ -179,7 +178,30 @@ def train_head(
     head.eval()
     head.save_pretrained(out)
     (out / "training_history.json").write_text(json.dumps({"config": asdict(cfg), "history": history}, indent=1))
+    plot_history(history, out / "training_curves.png")
     return head
+
+
+def plot_history(history: list[dict], path: Path) -> None:
+    """Loss and per-depth top-1 accuracy against training sequences, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return
+    seqs = [h["sequences"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot(seqs, [h["loss"] for h in history])
+    ax_loss.set(xlabel="training sequences", ylabel="depth-weighted CE", title="loss")
+    for d in range(len(history[0]["accuracy"])):
+        ax_acc.plot(seqs, [h["accuracy"][d] for h in history], label=f"depth {d}")
+    ax_acc.set(xlabel="training sequences", ylabel="top-1 accuracy vs target", title="per-depth accuracy")
+    ax_acc.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _save_checkpoint(head: DartHead, optim, step: int, history: list, ckpt: Path) -> None:

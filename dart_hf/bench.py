@@ -1,0 +1,563 @@
+"""`dart-hf bench`: DART against plain `generate` and transformers' own speculative methods, in one process.
+
+On the same prompts (HumanEval and held-out ShareGPT), greedy, after a warm-up generation per method:
+
+    plain           target.generate(ids)                                   the reference every output must equal
+    prompt_lookup   target.generate(ids, prompt_lookup_num_tokens=10)
+    dart_chain      target.generate(ids, assistant_model=head, dart_mode="chain")   (transformers' assisted loop)
+    dart_tree_60    target.generate(ids, assistant_model=head, dart_node_budget=60)  (reference fixed budget)
+    dart_tree_auto  target.generate(ids, assistant_model=head, dart_node_budget="auto") (cost-aware budget)
+
+Reported per data set and method: tokens/s, speedup over plain, accepted length (new tokens per target forward,
+counted with a forward hook on the target; plain = 1), whether every output equals plain generate, and for the
+tree methods where a step's time goes (head forward, tree search, target verify, accept + cache bookkeeping).
+Prompts are interleaved (each prompt runs every method before the next prompt) so slow drifts in machine load hit
+all methods alike. Writes results.json, results.md and results.png; the exit status is 3 when any output differs.
+
+`--synthetic` instead measures, on a CUDA GPU, a random target of Qwen3-8B's shape in bf16: the verify cost by tree
+size and the head + tree-search overhead as a share of a DART step (`examples/gpu_check.sh` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
+DATASETS = ("humaneval", "sharegpt")
+PHASES = ("draft", "tree", "verify", "accept")
+PHASE_LABELS = {"draft": "head forward", "tree": "tree search", "verify": "target verify", "accept": "accept + cache"}
+MISMATCH_EXIT = 3
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+@dataclass
+class Method:
+    """One way to generate. `run(target, head, ids, **generate_kwargs)` returns the output ids [1, T];
+    `tree`: a DART tree method, whose `head.stats` carry per-phase times."""
+
+    name: str
+    label: str
+    run: Callable
+    tree: bool = False
+
+
+def standard_methods(fixed_budget: int = 60, lookup_tokens: int = 10) -> list[Method]:
+    return [
+        Method("plain", "generate", lambda t, h, ids, **kw: t.generate(ids, **kw)),
+        Method("prompt_lookup", f"prompt lookup ({lookup_tokens})",
+               lambda t, h, ids, **kw: t.generate(ids, prompt_lookup_num_tokens=lookup_tokens, **kw)),
+        Method("dart_chain", "DART chain (assisted loop)",
+               lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_mode="chain", **kw)),
+        Method(f"dart_tree_{fixed_budget}", f"DART tree, budget {fixed_budget}",
+               lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget=fixed_budget, **kw),
+               tree=True),
+        Method("dart_tree_auto", "DART tree, cost-aware budget",
+               lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget="auto", **kw), tree=True),
+    ]
+
+
+class ForwardCounter:
+    """Counts forwards of the target (a forward hook on the top-level model)."""
+
+    def __init__(self, target):
+        self.count = 0
+        self._handle = target.register_forward_hook(self._hook)
+
+    def _hook(self, *args) -> None:
+        self.count += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _first_difference(out: torch.Tensor, ref: torch.Tensor) -> int:
+    n = min(out.shape[1], ref.shape[1])
+    diff = (out[0, :n] != ref[0, :n]).nonzero()
+    return int(diff[0, 0]) if diff.numel() else n
+
+
+@dataclass
+class _Tally:
+    seconds: float = 0.0
+    new_tokens: int = 0
+    forwards: int = 0
+    steps: int = 0
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    budgets: list = field(default_factory=list)
+    per_prompt: list = field(default_factory=list)
+    mismatches: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------- the bench
+def run_bench(
+    target,
+    head,
+    prompts: dict[str, list[torch.Tensor]],
+    max_new_tokens: int = 128,
+    methods: list[Method] | None = None,
+    out_dir: str | Path | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+    meta: dict | None = None,
+) -> dict:
+    """Run every method on every prompt; returns (and, with `out_dir`, writes) the results.
+
+    `prompts` maps a data set name to `[1, T]` id tensors. The first method must be "plain": the reference.
+    """
+    methods = methods if methods is not None else standard_methods()
+    if not methods or methods[0].name != "plain":
+        raise ValueError("the first bench method must be 'plain' (the reference outputs are compared with)")
+    device = target.device
+    gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
+    if getattr(target.generation_config, "pad_token_id", None) is None:
+        eos = target.generation_config.eos_token_id
+        gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    if any(m.name.endswith("_auto") for m in methods):  # measure (or load) the verify cost curve outside timing
+        from .cost_model import verify_cost
+
+        verify_cost(target)
+    if warmup:
+        first = next(p for ps in prompts.values() for p in ps).to(device)
+        for m in methods:
+            m.run(target, head, first, **{**gen, "max_new_tokens": min(16, max_new_tokens)})
+
+    counter = ForwardCounter(target)
+    tallies = {ds: {m.name: _Tally() for m in methods} for ds in prompts}
+    mismatches = []
+    try:
+        for ds, ds_prompts in prompts.items():
+            for i, ids in enumerate(tqdm(ds_prompts, desc=f"bench {ds}", unit="prompt", disable=not progress)):
+                ids = ids.to(device)
+                ref = None
+                for m in methods:
+                    counter.count = 0
+                    _sync(device)
+                    start = time.perf_counter()
+                    out = m.run(target, head, ids, attention_mask=torch.ones_like(ids), **gen)
+                    _sync(device)
+                    seconds = time.perf_counter() - start
+                    tally = tallies[ds][m.name]
+                    new = out.shape[1] - ids.shape[1]
+                    tally.seconds += seconds
+                    tally.new_tokens += new
+                    tally.forwards += counter.count
+                    row = {"prompt": i, "prompt_tokens": ids.shape[1], "new_tokens": new, "seconds": seconds,
+                           "forwards": counter.count}
+                    if m.tree:
+                        stats = head.stats
+                        tally.steps += stats["steps"]
+                        for p in PHASES:
+                            tally.phases[p] += stats["time"].get(p, 0.0)
+                        tally.budgets += list(stats.get("node_budgets", []))
+                    if ref is None:
+                        ref = out
+                    elif not torch.equal(out, ref):
+                        where = _first_difference(out, ref) - ids.shape[1]  # index among the new tokens
+                        tally.mismatches += 1
+                        row["mismatch_at"] = where
+                        mismatches.append({"dataset": ds, "prompt": i, "method": m.name, "first_difference": where,
+                                           "new_tokens": new, "reference_new_tokens": ref.shape[1] - ids.shape[1]})
+                    tally.per_prompt.append(row)
+    finally:
+        counter.remove()
+
+    results = {
+        "meta": {**_environment(target), **(meta or {}), "max_new_tokens": max_new_tokens,
+                 "prompts": {ds: len(ps) for ds, ps in prompts.items()}},
+        "methods": {m.name: m.label for m in methods},
+        "datasets": {ds: _summarise(tallies[ds], methods) for ds in prompts},
+        "mismatches": mismatches,
+        "all_equal": not mismatches,
+    }
+    if out_dir is not None:
+        write_reports(results, out_dir)
+    return results
+
+
+def _summarise(tallies: dict[str, _Tally], methods: list[Method]) -> dict:
+    plain = tallies["plain"]
+    plain_tps = plain.new_tokens / plain.seconds if plain.seconds else float("nan")
+    out = {}
+    for m in methods:
+        t = tallies[m.name]
+        tps = t.new_tokens / t.seconds if t.seconds else float("nan")
+        row = {
+            "tokens_per_s": tps,
+            "speedup": tps / plain_tps if plain_tps else float("nan"),
+            "accepted_length": t.new_tokens / t.forwards if t.forwards else float("nan"),
+            "new_tokens": t.new_tokens,
+            "seconds": t.seconds,
+            "target_forwards": t.forwards,
+            "equal_to_plain": t.mismatches == 0,
+            "mismatched_prompts": t.mismatches,
+            "per_prompt": t.per_prompt,
+        }
+        if m.tree and t.steps:
+            step_total = sum(t.phases.values())
+            row["steps"] = t.steps
+            row["step_ms"] = 1e3 * step_total / t.steps
+            row["phase_ms"] = {p: 1e3 * t.phases[p] / t.steps for p in PHASES}
+            row["phase_share"] = {p: t.phases[p] / step_total if step_total else 0.0 for p in PHASES}
+        if t.budgets:
+            row["node_budget_mean"] = sum(t.budgets) / len(t.budgets)
+            row["node_budget_counts"] = dict(sorted(Counter(t.budgets).items()))
+        out[m.name] = row
+    return out
+
+
+def _environment(target) -> dict:
+    import transformers
+
+    device = target.device
+    return {
+        "target": str(getattr(target.config, "name_or_path", "") or target.config.model_type),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'cpu'}",
+        "torch_threads": torch.get_num_threads(),
+        "attn_implementation": target.config._attn_implementation,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+def _fmt(x, spec: str = ".2f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown_report(results: dict) -> str:
+    meta = results["meta"]
+    lines = ["# dart-hf bench", ""]
+    if not results["all_equal"]:
+        lines += ["**OUTPUT MISMATCH: some methods did not reproduce plain `generate` (greedy must be identical).**",
+                  ""]
+        lines += [f"- {m['method']} on {m['dataset']} prompt {m['prompt']}: first difference at new token "
+                  f"{m['first_difference']} ({m['new_tokens']} vs {m['reference_new_tokens']} new tokens)"
+                  for m in results["mismatches"]]
+        lines.append("")
+    else:
+        lines += ["Every method's output equals plain `generate` on every prompt (greedy).", ""]
+    lines += [
+        f"Target `{meta.get('target')}` ({meta.get('dtype')}, {meta.get('attn_implementation')}) on "
+        f"{meta.get('device')} ({meta.get('torch_threads')} threads); head `{meta.get('head', 'n/a')}`; "
+        f"{meta.get('max_new_tokens')} new tokens max; prompts {meta.get('prompts')}; torch {meta.get('torch')}, "
+        f"transformers {meta.get('transformers')}; {meta.get('date')}.",
+        "",
+    ]
+    for ds, rows in results["datasets"].items():
+        lines += [f"## {ds}", "", "| method | tokens/s | speedup | accepted length | equal to generate |",
+                  "|---|---:|---:|---:|---|"]
+        for name, r in rows.items():
+            equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} prompts)**"
+            lines.append(f"| {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | "
+                         f"{_fmt(r['speedup'])}x | {_fmt(r['accepted_length'])} | {equal} |")
+        tree_rows = {n: r for n, r in rows.items() if "phase_share" in r}
+        if tree_rows:
+            lines += ["", "Where a DART tree step's time goes (share of the average step; prefill excluded):", "",
+                      "| method | step (ms) | " + " | ".join(PHASE_LABELS[p] for p in PHASES) + " | node budget |",
+                      "|---|---:|" + "---:|" * len(PHASES) + "---|"]
+            for name, r in tree_rows.items():
+                shares = " | ".join(f"{100 * r['phase_share'][p]:.0f}% ({r['phase_ms'][p]:.1f} ms)" for p in PHASES)
+                budget = _fmt(r.get("node_budget_mean"), ".1f")
+                if r.get("node_budget_counts") and len(r["node_budget_counts"]) > 1:
+                    budget += " (" + ", ".join(f"{b}: {c}" for b, c in r["node_budget_counts"].items()) + ")"
+                lines.append(f"| {results['methods'][name]} | {r['step_ms']:.1f} | {shares} | {budget} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_results(results: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(results["datasets"])
+    names = list(results["methods"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        values = [results["datasets"][ds][name]["tokens_per_s"] for ds in datasets]
+        bars = ax1.bar([i + j * width for i in range(len(datasets))], values, width, label=results["methods"][name])
+        for bar, ds in zip(bars, datasets):
+            if not results["datasets"][ds][name]["equal_to_plain"]:
+                bar.set_hatch("xx")
+                bar.set_edgecolor("red")
+    ax1.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(datasets))], datasets)
+    ax1.set_ylabel("tokens / s")
+    ax1.set_title("Throughput (hatched red: output differs from generate)")
+    ax1.legend(fontsize=8)
+    labels, bottoms = [], []
+    tree = [(ds, n) for ds in datasets for n in names if "phase_ms" in results["datasets"][ds][n]]
+    for ds, n in tree:
+        labels.append(f"{ds}\n{n.replace('dart_tree_', 'tree ')}")
+    bottoms = [0.0] * len(tree)
+    for p in PHASES:
+        values = [results["datasets"][ds][n]["phase_ms"][p] for ds, n in tree]
+        ax2.bar(range(len(tree)), values, bottom=bottoms, label=PHASE_LABELS[p])
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax2.set_xticks(range(len(tree)), labels, fontsize=8)
+    ax2.set_ylabel("ms per DART step")
+    ax2.set_title("DART tree step breakdown")
+    if tree:
+        ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(results: dict, out_dir: str | Path) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
+    paths["json"].write_text(json.dumps(results, indent=1, default=str))
+    paths["md"].write_text(markdown_report(results))
+    plot_results(results, paths["png"])
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------- synthetic (GPU)
+QWEN3_8B_SHAPE = dict(
+    hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+    tie_word_embeddings=False, rms_norm_eps=1e-6,
+)
+
+
+def synthetic_target(shape: dict, device: str | torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """A random Qwen3 model of `shape`, built directly on `device` (no weights are loaded or downloaded)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def run_synthetic(
+    shape: dict = QWEN3_8B_SHAPE,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str = "sdpa",
+    budgets: tuple[int, ...] = (7, 15, 31, 63, 95),
+    prompt_len: int = 512,
+    new_tokens: int = 48,
+    draft_length: int = 7,
+    draft_vocab_size: int | None = 32000,
+    cost_sizes: tuple[int, ...] | None = None,
+    repeats: int = 5,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Verify cost by tree size, and the per-phase time of real DART steps (random head, random n-gram) by budget.
+
+    The head has the reference Qwen3-8B head's layout (draft length 7, a 32000-token draft vocabulary, norm applied
+    twice), with random weights: it accepts about nothing, so steps are timed at about one token each.
+
+    Correct by construction: the cost curve is `cost_model.measure_verify_cost` and the steps are the real tree
+    loop (`generate(..., assistant_model=head, dart_timing=True)`); nothing here re-implements decoding.
+    """
+    from .cost_model import DEFAULT_SIZES, measure_verify_cost
+    from .modeling_dart import DartHead
+    from .ngram import NGramModel
+
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    target = synthetic_target(shape, device, dtype, attn_implementation)
+    build_s = time.perf_counter() - t0
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (1, prompt_len), generator=g).to(device)
+    torch.manual_seed(0)
+    dv = None if draft_vocab_size is None else min(draft_vocab_size, vocab)
+    with torch.device(device):
+        head = DartHead.from_target(target, draft_length=draft_length, draft_vocab_size=dv, final_norm_repeats=2)
+    head.eval()
+    if dv is not None:
+        head.set_draft_vocab(torch.randperm(vocab, generator=g)[:dv])
+    seqs = torch.randint(vocab, (64, 256), generator=g).tolist()
+    head.ngram = NGramModel.build(seqs, order=3, vocab_size=vocab, progress=False)
+
+    cost = measure_verify_cost(target, sizes=cost_sizes or DEFAULT_SIZES, past_len=prompt_len, repeats=repeats,
+                               warmup=2)
+    gen = dict(do_sample=False, max_new_tokens=new_tokens, attention_mask=torch.ones_like(ids))
+    target.generate(ids, **{**gen, "max_new_tokens": 8})  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    plain_out = target.generate(ids, **gen)
+    _sync(device)
+    plain_s = time.perf_counter() - start
+    plain_ms = 1e3 * plain_s / (plain_out.shape[1] - ids.shape[1])
+
+    rows = []
+    for budget in tqdm(budgets, desc="synthetic budgets", disable=not progress):
+        run = dict(assistant_model=head, dart_node_budget=budget, **gen)
+        target.generate(ids, **{**run, "max_new_tokens": 8})  # warm-up at this tree size
+        _sync(device)
+        start = time.perf_counter()
+        out = target.generate(ids, **run)  # untimed phases: the real wall time of a step
+        _sync(device)
+        wall = time.perf_counter() - start
+        steps_plain = head.stats["steps"]
+        target.generate(ids, dart_timing=True, **run)  # synchronised phases: where the time goes
+        stats = head.stats
+        phase_ms = {p: 1e3 * stats["time"].get(p, 0.0) / max(stats["steps"], 1) for p in PHASES}
+        step_ms = sum(phase_ms.values())
+        wall_step_ms = 1e3 * (wall - stats["time"].get("prefill", 0.0)) / max(steps_plain, 1)
+        overhead = phase_ms["draft"] + phase_ms["tree"] + phase_ms["accept"]
+        rows.append({
+            "node_budget": budget,
+            "tree_tokens": budget + 1,
+            "step_ms_wall": wall_step_ms,
+            "step_ms_timed": step_ms,
+            "phase_ms": phase_ms,
+            "overhead_share": overhead / step_ms if step_ms else float("nan"),
+            "head_and_tree_share": (phase_ms["draft"] + phase_ms["tree"]) / step_ms if step_ms else float("nan"),
+            # the accepted length (tokens per step) at which DART only matches plain decoding
+            "break_even_accepted_length": wall_step_ms / plain_ms,
+            "projected_speedup_at_3.7": 3.7 * plain_ms / wall_step_ms,
+            "output_equal_to_plain": bool(torch.equal(out, plain_out)),
+        })
+    results = {
+        "meta": {**_environment(target), "shape": shape, "build_seconds": build_s, "prompt_len": prompt_len,
+                 "new_tokens": new_tokens, "draft_length": draft_length, "draft_vocab_size": dv},
+        "verify_cost_ms": {str(n): 1e3 * s for n, s in zip(cost.sizes, cost.seconds)},
+        "plain_ms_per_token": plain_ms,
+        "budgets": rows,
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "synthetic.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "synthetic.md").write_text(synthetic_markdown(results))
+    return results
+
+
+def synthetic_markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        "# dart-hf bench --synthetic", "",
+        f"Random target of shape {meta['shape']} in {meta['dtype']} ({meta['attn_implementation']}) on "
+        f"{meta['device']}; prompt {meta['prompt_len']} tokens; {meta['new_tokens']} new tokens; torch "
+        f"{meta['torch']}, transformers {meta['transformers']}. Plain decoding: "
+        f"{results['plain_ms_per_token']:.2f} ms per token.", "",
+        "## Verify cost by tree size", "", "| tree tokens | ms | x one token |", "|---:|---:|---:|",
+    ]
+    one = results["verify_cost_ms"].get("1")
+    for n, ms in results["verify_cost_ms"].items():
+        lines.append(f"| {n} | {ms:.2f} | {_fmt(ms / one if one else None)} |")
+    lines += ["", "## DART step by node budget (random head: about one token accepted per step)", "",
+              "| budget | step ms (wall) | " + " | ".join(PHASE_LABELS[p] + " ms" for p in PHASES)
+              + " | head + tree share | overhead share | break-even accepted length | speedup at 3.7 |",
+              "|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---:|"]
+    for r in results["budgets"]:
+        phases = " | ".join(f"{r['phase_ms'][p]:.2f}" for p in PHASES)
+        lines.append(f"| {r['node_budget']} | {r['step_ms_wall']:.2f} | {phases} | "
+                     f"{100 * r['head_and_tree_share']:.0f}% | {100 * r['overhead_share']:.0f}% | "
+                     f"{r['break_even_accepted_length']:.2f} | {r['projected_speedup_at_3.7']:.2f}x |")
+    equal = all(r["output_equal_to_plain"] for r in results["budgets"])
+    lines += ["", f"Outputs equal to plain generate at every budget: {'yes' if equal else 'no'} "
+              "(random bf16 weights give near-tied logits; batched and one-token kernels may round differently).",
+              ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def _load_head(path: str, target):
+    from transformers import AutoModel
+
+    from .placement import prepare_head
+
+    return prepare_head(AutoModel.from_pretrained(path).eval(), target)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.synthetic:
+        if not torch.cuda.is_available():
+            print("dart-hf bench --synthetic needs a CUDA GPU: it builds a random Qwen3-8B-shaped target "
+                  "(~16 GB in bf16) and times it there. No GPU is visible (torch.cuda.is_available() is False); "
+                  "run the real-model bench without --synthetic on CPU.", file=sys.stderr)
+            return 2
+        results = run_synthetic(attn_implementation=args.attn, out_dir=args.out, new_tokens=args.max_new_tokens)
+        print(synthetic_markdown(results))
+        return 0
+    head_path = Path(args.head).expanduser()
+    if not (head_path / "config.json").is_file() or not any(head_path.glob("*.safetensors")):
+        print(f"dart-hf bench: no DART head at {head_path} (need config.json and model.safetensors). Train one "
+              "(`dart-hf train ...`) or point --head at a head folder.", file=sys.stderr)
+        return 2
+    from transformers.utils import logging as hf_logging
+
+    import dart_hf  # noqa: F401  (routes assistant_model=DartHead)
+
+    from .assets import eval_prompts, load_target
+
+    hf_logging.set_verbosity_error()
+    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), attn_implementation=args.attn)
+    head = _load_head(str(head_path), target)
+    prompts = {ds: eval_prompts(tokenizer, ds, args.n) for ds in args.datasets}
+    methods = [m for m in standard_methods(fixed_budget=args.budget) if args.methods is None or m.name in
+               args.methods or m.name == "plain"]
+    results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
+                        out_dir=args.out, warmup=not args.no_warmup,
+                        meta={"head": str(head_path), "target_name": args.target})
+    print(markdown_report(results))
+    print(f"\nwrote {Path(args.out) / 'results.json'}, results.md, results.png")
+    return exit_status(results)
+
+
+def exit_status(results: dict) -> int:
+    """0 when every output equals plain generate, MISMATCH_EXIT (3) otherwise (and says so on stderr)."""
+    if results["all_equal"]:
+        return 0
+    print("dart-hf bench: OUTPUT MISMATCH - "
+          + "; ".join(f"{m['method']} on {m['dataset']} prompt {m['prompt']}" for m in results["mismatches"]),
+          file=sys.stderr)
+    return MISMATCH_EXIT
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="tokens/s of DART vs plain generate, prompt lookup and chain drafting",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head", default=str(DEFAULT_HEAD), help="DART head folder (default: %(default)s)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flex_attention"),
+                   help="target attention implementation")
+    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    p.add_argument("--n", type=int, default=5, help="prompts per data set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=60, help="fixed node budget of the reference tree method")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="subset of: plain prompt_lookup dart_chain dart_tree_<budget> dart_tree_auto "
+                   "(plain always runs)")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
+    p.add_argument("--synthetic", action="store_true",
+                   help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")
+    p.set_defaults(func=main)
+
+
+__all__ = [
+    "Method", "add_cli", "exit_status", "main", "markdown_report", "run_bench", "run_synthetic", "standard_methods",
+]

@@ -1,0 +1,33 @@
+"""Mean accepted length of a head on real prompts, checked against plain greedy `generate` as it goes."""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from .modeling_dart import DartHead
+
+
+@torch.no_grad()
+def acceptance_report(
+    target: PreTrainedModel, head: DartHead, prompts: list[torch.Tensor], max_new_tokens: int = 128,
+    check_lossless: bool = True, desc: str = "evaluate",
+) -> dict:
+    """Greedy DART on each prompt: new tokens per target forward (bonus included), and whether every output
+    equals plain `generate` (the lossless contract, checked on the same prompts)."""
+    per_prompt, lossless = [], True
+    for ids in tqdm(prompts, desc=desc, unit="prompt"):
+        ids = ids.to(target.device)
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=max_new_tokens)
+        if check_lossless:
+            lossless &= torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens))
+        per_prompt.append(head.stats["mean_accepted_length"])
+    steps = sum(1 for _ in per_prompt)
+    return {
+        "mean_accepted_length": sum(per_prompt) / max(steps, 1),
+        "per_prompt": per_prompt,
+        "lossless": lossless if check_lossless else None,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+    }

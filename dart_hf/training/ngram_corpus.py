@@ -1,0 +1,65 @@
+"""`dart-hf ngram`: the n-gram table of a head, from the same corpus tokenised by the target's tokenizer.
+
+Sources: every turn of the ShareGPT training split (broad text) and the target's own regenerated answers
+from the feature shards (the target's phrasing, which is what the tree has to guess). Held-out prompts are
+never used. Rare 2..n-grams are pruned (`min_count`) so the table ships beside the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from ..assets import load_sharegpt, load_target
+from ..ngram import NGramModel
+from .features import iter_examples
+
+
+def corpus_sequences(
+    tokenizer: PreTrainedTokenizerBase, feature_dir: str | Path | None = None, sharegpt_limit: int | None = None,
+    regenerated_weight: int = 2,
+) -> list[list[int]]:
+    """Token id sequences: ShareGPT train turns, then regenerated answers (repeated `regenerated_weight` times,
+    since they are the target's own distribution)."""
+    sequences: list[list[int]] = []
+    conversations = load_sharegpt("train", limit=sharegpt_limit)
+    texts = [turn["content"] for conv in conversations for turn in conv if turn["content"].strip()]
+    for start in tqdm(range(0, len(texts), 256), desc="tokenise ShareGPT", unit="batch"):
+        sequences += tokenizer(texts[start : start + 256], add_special_tokens=False)["input_ids"]
+    if feature_dir is not None:
+        regenerated = [e.ids[e.prompt_length :].tolist() for e in iter_examples(feature_dir)]
+        sequences += regenerated * regenerated_weight
+    return sequences
+
+
+def build_ngram(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, feature_dir: str | Path | None = None, order: int = 3,
+    min_count: int = 2, sharegpt_limit: int | None = None,
+) -> NGramModel:
+    sequences = corpus_sequences(tokenizer, feature_dir, sharegpt_limit)
+    return NGramModel.build(sequences, order=order, vocab_size=vocab_size, eos_token_id=tokenizer.eos_token_id,
+                            min_count=min_count)
+
+
+def run(args: argparse.Namespace) -> int:
+    target, tokenizer = load_target(args.target)
+    ngram = build_ngram(tokenizer, target.config.vocab_size, args.features, args.order, args.min_count,
+                        args.sharegpt_limit)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    ngram.save(args.out)
+    print(f"{ngram} -> {args.out} ({Path(args.out).stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("ngram", help="build the n-gram table of a head from ShareGPT + regenerated answers")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
+    p.add_argument("--features", default=None, help="feature shards of `dart-hf train` (regenerated answers)")
+    p.add_argument("--out", required=True, help="output .safetensors file (e.g. <head>/ngram.safetensors)")
+    p.add_argument("--order", type=int, default=3)
+    p.add_argument("--min-count", type=int, default=2, help="drop 2..n-grams seen fewer times")
+    p.add_argument("--sharegpt-limit", type=int, default=None, help="first N training conversations only")
+    p.set_defaults(func=run)

@@ -1,0 +1,82 @@
+"""`dart-hf train`: target -> regenerated answers + captured features -> trained head -> n-gram -> evaluation.
+
+Every stage resumes: feature shards per batch, the trainer from `out/checkpoint/`, and stages whose output
+exists are skipped, so the same command can be rerun after a kill. Runs on a CPU (the default sizes fit a
+2-core machine in about an hour) and unchanged on CUDA (`--device cuda`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..assets import eval_prompts, load_target
+from ..evaluation import acceptance_report
+from ..modeling_dart import DartHead
+from ..ngram import FILE_NAME as NGRAM_FILE
+from ..ngram import NGramModel
+from .data import sharegpt_training_prompts
+from .features import collect_features
+from .ngram_corpus import build_ngram
+from .train import TrainConfig, train_head
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    features = Path(args.features or out / "features")
+    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    if args.num_prompts > 0:
+        prompts = sharegpt_training_prompts(args.num_prompts)
+        collect_features(target, tokenizer, prompts, features, args.max_new_tokens, args.batch_size)
+    eos = target.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    cfg = TrainConfig(
+        draft_length=args.draft_length,
+        draft_vocab_size=args.draft_vocab_size or None,
+        epochs=args.epochs,
+        lr=args.lr,
+        anchors_per_sequence=args.anchors,
+    )
+    if (out / "model.safetensors").exists() and not (out / "checkpoint").exists():
+        head = DartHead.from_pretrained(out)
+    else:
+        head = train_head(target, features, out, cfg, eos_ids=eos_ids, device=args.device)
+    if not (out / NGRAM_FILE).exists():
+        build_ngram(tokenizer, target.config.vocab_size, features, min_count=args.ngram_min_count).save(out / NGRAM_FILE)
+    head.ngram = NGramModel.load(out / NGRAM_FILE)
+    if args.eval_n > 0:
+        target = target.float() if args.device == "cpu" else target  # evaluate as users run it on CPU
+        head = head.to(target.device, target.dtype).eval()
+        report = {
+            ds: acceptance_report(target, head, eval_prompts(tokenizer, ds, args.eval_n), args.eval_max_new_tokens,
+                                  desc=f"eval {ds}")
+            for ds in ("sharegpt", "humaneval")
+        }
+        (out / "eval.json").write_text(json.dumps(report, indent=1))
+        for ds, r in report.items():
+            print(f"{ds}: mean accepted length {r['mean_accepted_length']:.2f} (lossless: {r['lossless']})")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a DART head for a target (features, head, n-gram, evaluation)")
+    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
+    p.add_argument("--out", required=True, help="head folder (checkpoints and features go inside)")
+    p.add_argument("--features", default=None, help="feature shard folder (default: <out>/features)")
+    p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=24)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="target dtype for data")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--draft-length", type=int, default=7)
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0 ties the head to the target lm_head")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--anchors", type=int, default=48, help="anchor positions trained per sequence")
+    p.add_argument("--ngram-min-count", type=int, default=2)
+    p.add_argument("--eval-n", type=int, default=5, help="held-out prompts per data set for evaluation")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.set_defaults(func=run)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# GPU check (issue 4): DART on CUDA, a few minutes on one H200. Run from the repository root:
+#
+#     bash examples/gpu_check.sh            # results under $OUT (default runs/gpu_check)
+#
+# 1. lossless + cost-aware budget on CUDA with a tiny random target (fp32 and bf16): DART output == generate,
+#    the verify cost curve is measured with CUDA syncs and cached, head.stats reports the chosen budgets (~30 s);
+# 2. `dart-hf bench --synthetic` with SDPA: a random Qwen3-8B-shaped target in bf16 -> verify cost by tree size,
+#    per-phase DART step times by node budget, head + tree search share of a step (~1-2 min);
+# 3. the same with flex_attention (first call compiles the kernel; ~2-3 min).
+# Every part has its own timeout and writes what it has; a failing part does not stop the next one.
+set -uo pipefail
+OUT="${OUT:-runs/gpu_check}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export DART_HF_CACHE="$OUT/cache"
+export TOKENIZERS_PARALLELISM=false
+status=0
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+echo "== 1. tiny target on CUDA: lossless, auto budget"
+timeout 120 python - > "$OUT/tiny_cuda.txt" 2>&1 <<'EOF'
+import json, os, torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+import dart_hf
+from dart_hf import cost_model
+
+report = {}
+for dtype in (torch.float32, torch.bfloat16):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    with torch.device("cuda"):
+        target = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+        with torch.no_grad():
+            target.lm_head.weight.mul_(8.0)
+        head = dart_hf.DartHead.from_target(target, draft_length=4, node_budget=None, tree_top_k=32, beam_width=8).eval()
+    g = torch.Generator().manual_seed(1)
+    equal, budgets = [], []
+    for i in range(6):
+        ids = torch.randint(3, 96, (1, 5 + 3 * i), generator=g).cuda()
+        ref = target.generate(ids, do_sample=False, max_new_tokens=40)
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=40, dart_timing=(i % 2 == 0))
+        budgets.append(head.stats["node_budgets"])
+        fixed = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=40, dart_node_budget=20)
+        equal.append(bool(torch.equal(out, ref)) and bool(torch.equal(fixed, ref)))
+    controller = cost_model.budget_controller(head, target)
+    report[str(dtype)] = {"all_equal": all(equal), "equal": equal, "budgets_first_prompt": budgets[0],
+                          "controller": controller.summary(), "cost_file": controller.cost.path,
+                          "cost_ms": [round(1e3 * s, 3) for s in controller.cost.seconds]}
+for name, r in report.items():
+    print(name, json.dumps(r, default=str))
+# fp32 must be exact; bf16 may differ on near-tied logits (batched vs one-token kernels), reported only
+raise SystemExit(0 if report["torch.float32"]["all_equal"] else 1)
+EOF
+rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/tiny_cuda.txt"
+
+echo "== 2. synthetic Qwen3-8B shape, bf16, SDPA"
+timeout 300 python examples/benchmark.py --synthetic --attn sdpa --max-new-tokens 48 --out "$OUT/synthetic_sdpa" \
+  > "$OUT/synthetic_sdpa.log" 2>&1
+rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_sdpa.log"
+
+echo "== 3. synthetic Qwen3-8B shape, bf16, flex_attention"
+timeout 240 python examples/benchmark.py --synthetic --attn flex_attention --max-new-tokens 48 \
+  --out "$OUT/synthetic_flex" > "$OUT/synthetic_flex.log" 2>&1
+rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_flex.log"
+
+exit $status

