@@ -1,0 +1,110 @@
+# Generated from dart_hf/configuration_dart.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
+"""`DartConfig`: the shape of a DART draft head and the defaults of its tree search.
+
+A DART head is ONE decoder layer that reads hidden states captured at three layers of the *target* model
+and predicts ``draft_length + 1`` future tokens in one forward (the last real position plus
+``draft_length`` MASK slots). The target-facing fields (``target_*``, ``vocab_size``, ``aux_layer_ids``)
+are what a head is checked against before it may draft for a target, so a head trained for one model can
+never silently run on another.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+
+@strict
+class DartConfig(PreTrainedConfig):
+    r"""
+    draft_length (`int`, defaults to 7):
+        Number of MASK slots appended after the last real position. One forward yields
+        `draft_length + 1` predictions: the last real row (the token after the bonus token) plus one per
+        MASK slot. The paper's "draft length 8" is `draft_length=7` here.
+    draft_vocab_size (`int`, *optional*):
+        Size of the reduced draft vocabulary of `lm_head`; `d2t[i]` maps draft id `i` to target id
+        `i + d2t[i]` (EAGLE-3 convention). `None` ties the head to the target's own `lm_head` (full vocab,
+        no extra weights saved).
+    target_hidden_size / target_num_layers / target_model_type / vocab_size:
+        The target the head was built for; checked when the head is bound to a target.
+    aux_layer_ids (`list[int]`, *optional*):
+        Target decoder layers whose INPUTS are captured (default `[2, L // 2, L - 3]`, as EAGLE-3).
+    final_norm_repeats (`int`, defaults to 1):
+        How many times `norm` is applied before `lm_head`. Reference checkpoints were trained with 2.
+    tree_top_k / beam_width / node_budget / level_decay / logit_decay / ngram_weight:
+        Tree search defaults (spec section 3): per-depth top-k, beam width, number of draft nodes verified
+        per step (root excluded), `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`,
+        weight of the n-gram log-probability. `node_budget=None` lets the decoder pick the budget from a
+        measured verify-cost curve (see `dart_hf.cost_model`).
+    """
+
+    model_type = "dart"
+    default_theta = 10000.0
+
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 8192
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+
+    vocab_size: int = 49152
+    draft_vocab_size: int | None = None
+    draft_length: int = 7
+    target_hidden_size: int = 576
+    target_num_layers: int = 30
+    target_model_type: str | None = None
+    aux_layer_ids: list[int] | None = None
+    final_norm_repeats: int = 1
+
+    tree_top_k: int = 25
+    beam_width: int = 20
+    node_budget: int | None = 60
+    level_decay: float = 0.7
+    logit_decay: float = 0.9
+    ngram_weight: float = 0.5
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.aux_layer_ids is None:
+            n = self.target_num_layers
+            self.aux_layer_ids = [2, n // 2, n - 3]
+        super().__post_init__(**kwargs)
+        self.validate_dart_fields()
+
+    def validate_dart_fields(self) -> None:
+        """Reject configs that cannot describe a working head (a corrupt or foreign config.json)."""
+        if self.draft_length < 1:
+            raise ValueError(f"draft_length must be >= 1, got {self.draft_length}")
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must name 3 target layers, got {self.aux_layer_ids}")
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_layers]
+        if bad:
+            raise ValueError(
+                f"aux_layer_ids {self.aux_layer_ids} out of range for a target with {self.target_num_layers} layers"
+            )
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}]")
+        if self.node_budget is not None and self.node_budget < 1:
+            raise ValueError(f"node_budget must be >= 1 or None (cost-aware), got {self.node_budget}")
+        if self.tree_top_k < 1 or self.beam_width < 1:
+            raise ValueError("tree_top_k and beam_width must be >= 1")
+
+    @property
+    def uses_target_lm_head(self) -> bool:
+        """True when the head has no lm_head of its own and projects with the target's (full vocab)."""
+        return self.draft_vocab_size is None
+
+    @property
+    def num_predictions(self) -> int:
+        """Rows predicted per forward: the last real position plus one per MASK slot."""
+        return self.draft_length + 1
+
+
+__all__ = ["DartConfig"]

@@ -1,0 +1,190 @@
+# Generated from dart_hf/tree.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
+"""Draft tree construction: beam search over the head's K+1 distributions, rescored by an n-gram model.
+
+Extending a partial draft s by token x at depth d adds
+    level_w(d) * (logit_w(d) * log p_d(x) + ngram_w * log P_ngram(x | last n-1 tokens of text + s))
+with level_w(d) = (d+1)^-level_decay, logit_w(d) = logit_decay^d, and no n-gram term at d = 0 (spec 3).
+Every scored candidate goes into a pool; the best `node_budget` of the pool (plus the root) form the tree.
+
+Everything is batched torch over (beams x top-k) per depth: the only Python loop is over depths (K+1).
+Scores strictly decrease along a path (each increment is capped below zero), so the chosen set is closed
+under ancestors, which `DraftTree.check_closed` asserts in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ngram import NGramModel
+
+LOG_EPS = 1e-10
+MIN_DECREMENT = 1e-4  # each step lowers the score at least this much: parents always outrank children
+
+
+@dataclass
+class TreeSearchParams:
+    top_k: int = 25
+    beam_width: int = 20
+    node_budget: int = 60
+    level_decay: float = 0.7
+    logit_decay: float = 0.9
+    ngram_weight: float = 0.5
+
+    @classmethod
+    def from_config(cls, config, node_budget: int | None = None) -> "TreeSearchParams":
+        return cls(
+            top_k=config.tree_top_k,
+            beam_width=config.beam_width,
+            node_budget=node_budget if node_budget is not None else (config.node_budget or 60),
+            level_decay=config.level_decay,
+            logit_decay=config.logit_decay,
+            ngram_weight=config.ngram_weight,
+        )
+
+
+@dataclass
+class DraftTree:
+    """A draft tree in verification order (parents before children; node 0 is the root).
+
+    tokens [N] target token ids; parents [N] (root's parent is 0); depths [N] (root 0);
+    ancestor_mask [N, N]: mask[i, j] is True when j is i or an ancestor of i; scores [N] beam-search scores
+    (root 0). All on one device.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestor_mask: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def retrieve_indices(self) -> torch.Tensor:
+        """One row per leaf: node indices from the root to that leaf, padded with -1 (spec 3 encoding)."""
+        n = self.size
+        has_child = torch.zeros(n, dtype=torch.bool, device=self.tokens.device)
+        has_child[self.parents[1:]] = True
+        leaves = (~has_child).nonzero().squeeze(1)
+        rows, cols = self.ancestor_mask[leaves].nonzero(as_tuple=True)
+        out = torch.full((leaves.numel(), int(self.depths.max()) + 1), -1, dtype=torch.long, device=self.tokens.device)
+        out[rows, self.depths[cols]] = cols
+        return out
+
+    def to(self, device: torch.device) -> "DraftTree":
+        if self.tokens.device == torch.device(device):
+            return self
+        return DraftTree(
+            *(t.to(device) for t in (self.tokens, self.parents, self.depths, self.ancestor_mask, self.scores))
+        )
+
+    def best_chain(self) -> torch.Tensor:
+        """Node indices (root first) of the best-scoring draft among the deepest ones: the tree as a chain."""
+        deepest = torch.where(self.depths == self.depths.max(), self.scores, float("-inf")).argmax()
+        return self.ancestor_mask[deepest].nonzero().squeeze(1)
+
+    def check_closed(self) -> None:
+        """Every node's parent is in the tree and comes before it; depths agree with parents."""
+        idx = torch.arange(self.size, device=self.tokens.device)
+        assert bool((self.parents[1:] < idx[1:]).all()), "a parent must precede its child"
+        assert bool((self.depths[1:] == self.depths[self.parents[1:]] + 1).all()), "depth must be parent depth + 1"
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[N, N] self-or-ancestor mask by pointer jumping up `max_depth` levels (no per-node loop)."""
+    n = parents.numel()
+    idx = torch.arange(n, device=parents.device)
+    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    mask[idx, idx] = True
+    cur = idx
+    for _ in range(max_depth):
+        cur = parents[cur]
+        mask[idx, cur] = True
+    return mask
+
+
+def build_tree(
+    draft_logits: torch.Tensor,
+    root_token: torch.Tensor,
+    context: torch.Tensor,
+    params: TreeSearchParams,
+    ngram: NGramModel | None = None,
+    draft_to_target: torch.Tensor | None = None,
+    eos_token_ids: torch.Tensor | None = None,
+    max_depth: int | None = None,
+) -> DraftTree:
+    """Beam-search a draft tree.
+
+    draft_logits [K+1, Vd]: row d scores the token at tree depth d+1. root_token: 0-d tensor (the bonus
+    token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
+    last order-1 are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
+    max_depth caps the depth (so no node lies past max_new_tokens).
+    """
+    device = draft_logits.device
+    depth_limit = draft_logits.shape[0] if max_depth is None else min(max_depth, draft_logits.shape[0])
+    k = min(params.top_k, draft_logits.shape[1])
+    top_logits, top_ids = draft_logits[:depth_limit].float().topk(k, dim=-1)
+    top_logp = torch.log_softmax(top_logits, dim=-1)  # softmax over the k kept tokens only (reference)
+    if draft_to_target is not None:
+        top_ids = draft_to_target[top_ids]
+    hist_len = max((ngram.order - 1) if ngram is not None else 0, 1)
+    ctx = context[-hist_len:].to(device=device, dtype=torch.long)
+    if ctx.numel() < hist_len:
+        ctx = torch.cat([ctx.new_full((hist_len - ctx.numel(),), -1), ctx])
+
+    # pool of every scored node; index 0 is the root
+    pool_tokens = [root_token.view(1).to(device=device, dtype=torch.long)]
+    pool_parents = [torch.zeros(1, dtype=torch.long, device=device)]
+    pool_depths = [torch.zeros(1, dtype=torch.long, device=device)]
+    pool_scores = [torch.zeros(1, device=device)]
+    pool_size = 1
+
+    beam_scores = torch.zeros(1, device=device)
+    beam_nodes = torch.zeros(1, dtype=torch.long, device=device)
+    beam_hist = ctx.view(1, hist_len)
+    for d in range(depth_limit):
+        incr = params.logit_decay**d * top_logp[d].unsqueeze(0).expand(beam_scores.numel(), k)
+        cand = top_ids[d].unsqueeze(0).expand_as(incr)
+        if ngram is not None and d > 0 and params.ngram_weight != 0:
+            p = ngram.prob(beam_hist, cand)
+            incr = incr + params.ngram_weight * torch.log(p + LOG_EPS)
+        incr = ((d + 1) ** -params.level_decay * incr).clamp(max=-MIN_DECREMENT)
+        scores = beam_scores.unsqueeze(1) + incr  # dead beams carry -inf and stay -inf
+        width = scores.numel()
+        pool_tokens.append(cand.reshape(-1))
+        pool_parents.append(beam_nodes.unsqueeze(1).expand_as(scores).reshape(-1))
+        pool_depths.append(torch.full((width,), d + 1, dtype=torch.long, device=device))
+        pool_scores.append(scores.reshape(-1))
+        # next beams: drafts ending in EOS are leaves, never extended
+        flat = scores.reshape(-1)
+        if eos_token_ids is not None:
+            flat = flat.masked_fill(torch.isin(cand.reshape(-1), eos_token_ids), float("-inf"))
+        w = min(params.beam_width, width)
+        beam_scores, sel = flat.topk(w)
+        beam_nodes = pool_size + sel
+        parent_beam = sel // k
+        beam_hist = torch.cat([beam_hist[parent_beam, 1:], cand.reshape(-1)[sel].unsqueeze(1)], dim=1)
+        pool_size += width
+
+    tokens, parents = torch.cat(pool_tokens), torch.cat(pool_parents)
+    depths, scores = torch.cat(pool_depths), torch.cat(pool_scores)
+    budget = min(params.node_budget, pool_size - 1)
+    chosen = scores[1:].topk(budget).indices + 1
+    chosen = chosen[torch.isfinite(scores[chosen])]  # beams of dead (EOS / -inf) branches never enter
+    chosen = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen.sort().values])
+    # pool indices grow with depth, so sorting keeps parents before children; remap parents to tree indices
+    tree_index = torch.full((pool_size,), -1, dtype=torch.long, device=device)
+    tree_index[chosen] = torch.arange(chosen.numel(), device=device)
+    tree_parents = tree_index[parents[chosen]]
+    tree_parents[0] = 0
+    return DraftTree(
+        tokens=tokens[chosen],
+        parents=tree_parents,
+        depths=depths[chosen],
+        ancestor_mask=ancestor_mask(tree_parents, depth_limit),
+        scores=scores[chosen],
+    )
