@@ -272,3 +272,14 @@ def test_custom_generate_runs_dart_without_dart_hf(tmp_path, qwen3, head):
     # transformers copied the vendored modules next to generate.py in its module cache
     copied = {p.name for p in (tmp_path / "modules").rglob("custom_generate/*.py")}
     assert {"generate.py", "decoding.py", "modeling_dart.py", "tree.py"} <= copied
+
+
+def test_shipped_custom_generate_copy_matches_the_package():
+    """The committed model_cards/*/custom_generate/ copy is generated: it must not drift from dart_hf."""
+    from dart_hf.hub import custom_generate_sources
+
+    folder = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
+    expected = custom_generate_sources("dart-hf/smollm2-135m-instruct-dart")
+    shipped = {f"custom_generate/{p.name}": p.read_text() for p in (folder / "custom_generate").glob("*.py")}
+    expected = {k if k.startswith("custom_generate/") else f"custom_generate/{k}": v for k, v in expected.items()}
+    assert shipped == expected, "regenerate with: python examples/export_head.py runs/<head> <folder>"
