@@ -13,6 +13,11 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Inputs of target layers 2, L // 2 and L - 3 (EAGLE-3 / DART), clamped into range for very shallow targets."""
+    return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
 @strict
 class DartConfig(PreTrainedConfig):
     r"""
@@ -72,8 +77,7 @@ class DartConfig(PreTrainedConfig):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.aux_layer_ids is None:
-            n = self.target_num_layers
-            self.aux_layer_ids = [2, n // 2, n - 3]
+            self.aux_layer_ids = default_aux_layer_ids(self.target_num_layers)
         super().__post_init__(**kwargs)
         self.validate_dart_fields()
 
@@ -106,4 +110,4 @@ class DartConfig(PreTrainedConfig):
         return self.draft_length + 1
 
 
-__all__ = ["DartConfig"]
+__all__ = ["DartConfig", "default_aux_layer_ids"]

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .configuration_dart import DartConfig
+from .configuration_dart import DartConfig, default_aux_layer_ids
 from .modeling_dart import DartHead
 from .ngram import FILE_NAME as NGRAM_FILE
 from .ngram import NGramModel
@@ -215,7 +215,7 @@ def dart_config_from_reference(reference: dict, target: TargetShape) -> DartConf
         target_hidden_size=reference["target_hidden_size"],
         target_num_layers=layers,
         target_model_type=target.model_type,
-        aux_layer_ids=[2, layers // 2, layers - 3],
+        aux_layer_ids=default_aux_layer_ids(layers),
         final_norm_repeats=2,
     )
 

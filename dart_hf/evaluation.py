@@ -23,9 +23,8 @@ def acceptance_report(
         if check_lossless:
             lossless &= torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens))
         per_prompt.append(head.stats["mean_accepted_length"])
-    steps = sum(1 for _ in per_prompt)
     return {
-        "mean_accepted_length": sum(per_prompt) / max(steps, 1),
+        "mean_accepted_length": sum(per_prompt) / max(len(per_prompt), 1),
         "per_prompt": per_prompt,
         "lossless": lossless if check_lossless else None,
         "prompts": len(prompts),

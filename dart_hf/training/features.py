@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..assets import load_target
+from ..configuration_dart import default_aux_layer_ids
 from ..target_binding import AuxHiddenCapture
 from .data import _chunks, generate_batch, greedy_config, prompt_token_ids, sharegpt_training_prompts
 
@@ -38,11 +39,6 @@ class Example:
     ids: torch.Tensor  # [T] long
     aux: torch.Tensor  # [T - 1, 3H]
     prompt_length: int
-
-
-def default_aux_layer_ids(target: PreTrainedModel) -> list[int]:
-    n = target.config.get_text_config().num_hidden_layers
-    return [min(2, n - 1), n // 2, max(n - 3, 0)]
 
 
 def _rows_from_history(history: list[torch.Tensor], width: int, record: dict, row: int) -> torch.Tensor:
@@ -65,7 +61,7 @@ def collect_features(
     """Regenerate answers to `prompts` in batches and write one feature shard per batch (resumable)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    layer_ids = aux_layer_ids or default_aux_layer_ids(target)
+    layer_ids = aux_layer_ids or default_aux_layer_ids(target.config.get_text_config().num_hidden_layers)
     prompt_ids = list(dict.fromkeys(tuple(prompt_token_ids(tokenizer, t)) for t in prompts))
     prompt_ids.sort(key=len, reverse=True)  # similar lengths per batch: little padding
     config = greedy_config(target, tokenizer, max_new_tokens)

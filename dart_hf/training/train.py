@@ -73,8 +73,20 @@ def new_head(target: PreTrainedModel, examples: list[Example], cfg: TrainConfig,
     return head
 
 
-def anchor_batch(example: Example, head: DartHead, n_anchors: int, rng: random.Random):
+def target_to_draft(head: DartHead) -> torch.Tensor | None:
+    """[target vocab] -> draft id, IGNORE outside the draft vocab (None for a head on the full target vocab)."""
+    if head.lm_head is None:
+        return None
+    to_draft = torch.full((head.config.vocab_size,), IGNORE, dtype=torch.long)
+    to_draft[head.draft_to_target.cpu()] = torch.arange(head.config.draft_vocab_size)
+    return to_draft
+
+
+def anchor_batch(
+    example: Example, head: DartHead, n_anchors: int, rng: random.Random, to_draft: torch.Tensor | None = None
+):
     """(aux [1,T-1,3H], next_tokens [1,T-1], anchors [1,A], draft labels [1,A,K+1]) for one sequence, or None.
+    `to_draft` is `target_to_draft(head)`, built once per run (labels stay target ids when it is None).
 
     Anchor a pairs state h_a with token a+1 and its depth-d row predicts token a+2+d; anchors start where the
     response labels start (a + 2 >= prompt length) and end where depth 0 still has a label.
@@ -88,9 +100,7 @@ def anchor_batch(example: Example, head: DartHead, n_anchors: int, rng: random.R
     depth = torch.arange(head.config.num_predictions)
     label_pos = anchors.unsqueeze(1) + 2 + depth
     labels = torch.where(label_pos < t, ids[label_pos.clamp(max=t - 1)], IGNORE)
-    if head.lm_head is not None:  # map target ids to draft ids; tokens outside the draft vocab are ignored
-        to_draft = torch.full((head.config.vocab_size,), IGNORE, dtype=torch.long)
-        to_draft[head.draft_to_target.cpu()] = torch.arange(head.config.draft_vocab_size)
+    if to_draft is not None:  # tokens outside the draft vocab are ignored
         labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], IGNORE)
     return example.aux.unsqueeze(0), ids[1:].unsqueeze(0), anchors.unsqueeze(0), labels.unsqueeze(0)
 
@@ -145,11 +155,12 @@ def train_head(
     order = [i for _ in range(math.ceil(cfg.epochs) + 1) for i in rng.sample(range(len(examples)), len(examples))]
     cursor = step * cfg.grad_accum
     k1 = head.config.num_predictions
+    to_draft = target_to_draft(head)
     acc_correct, acc_count, acc_loss, acc_n, started = torch.zeros(k1), torch.zeros(k1), 0.0, 0, time.perf_counter()
     with tqdm(total=total_steps, initial=step, desc="train head", unit="step") as bar:
         while step < total_steps:
             for group in range(cfg.grad_accum):
-                batch = anchor_batch(examples[order[cursor]], head, cfg.anchors_per_sequence, rng)
+                batch = anchor_batch(examples[order[cursor]], head, cfg.anchors_per_sequence, rng, to_draft)
                 cursor += 1
                 if batch is None:
                     continue

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration_dart import DartConfig
+from .configuration_dart import DartConfig, default_aux_layer_ids
 
 
 def text_config(target: PreTrainedModel):
@@ -66,7 +66,7 @@ def dart_config_for_target(
         target_hidden_size=cfg.hidden_size,
         target_num_layers=n_layers,
         target_model_type=cfg.model_type,
-        aux_layer_ids=[min(2, n_layers - 1), n_layers // 2, max(n_layers - 3, 0)],
+        aux_layer_ids=default_aux_layer_ids(n_layers),
     )
     fields.update(overrides)
     return DartConfig(**fields)
