@@ -18,7 +18,9 @@ Three parts:
 3. `BudgetController`: running (exponentially discounted) E[accepted | B'] for every B', an online estimate of
    the per-step overhead (head + tree + bookkeeping, measured as step time minus the verify curve), and the
    choice argmax_B (1 + E[accepted | B]) / (overhead + t_verify(B + 1)). It starts at the largest candidate for a
-   few steps and revisits it periodically, so the statistics keep covering every candidate.
+   few steps (one such tree informs every smaller budget), then every `revisit_every` steps verifies a tree about
+   twice the current choice, so the statistics just above the choice stay fresh without paying for the largest
+   tree again (on a CPU a 96-node verify costs about four small steps).
 
 The decoding loop (`dart_hf.decoding.dart_decode`) uses a controller when the head's `config.node_budget` is
 None or when `generate(..., dart_node_budget="auto")`; controllers persist per (head, target) across calls.
@@ -44,12 +46,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from .cpu_linear import few_row_linears
 from .tree import DraftTree, ancestor_mask
 from .verify import verify_tree
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96)
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 DEFAULT_PAST_LEN = 256
-COST_VERSION = 1
+COST_VERSION = 2  # 2: verify through dart_hf.cpu_linear, as dart_decode runs it
 _MEMO: dict[str, "VerifyCost"] = {}
 _CONTROLLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -178,18 +181,19 @@ def measure_verify_cost(
     cache = DynamicCache(config=target.config)
     target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
     seconds = []
-    for n in sizes:
-        tree = synthetic_tree(n, device, cfg.vocab_size, seed=seed + n)
-        times = []
-        for i in range(warmup + repeats):
-            _sync(device)
-            start = time.perf_counter()
-            verify_tree(target, tree, cache, past_len)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-            cache.crop(past_len - cache.get_seq_length())  # negative: drop the tree entries again
-        seconds.append(statistics.median(times))
+    with few_row_linears(target):  # as dart_decode verifies
+        for n in sizes:
+            tree = synthetic_tree(n, device, cfg.vocab_size, seed=seed + n)
+            times = []
+            for i in range(warmup + repeats):
+                _sync(device)
+                start = time.perf_counter()
+                verify_tree(target, tree, cache, past_len)
+                _sync(device)
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+                cache.crop(past_len - cache.get_seq_length())  # negative: drop the tree entries again
+            seconds.append(statistics.median(times))
     return VerifyCost(sizes=sizes, seconds=monotone_fit(seconds), key={"raw_seconds": seconds, "past_len": past_len})
 
 
@@ -296,7 +300,7 @@ class BudgetController:
         self.scale = 1.0
         self.steps = 0
         self.max_steps = 0  # steps run at the largest candidate (they inform every candidate)
-        self.since_max = 0
+        self.since_explore = 0
 
     # -- statistics
     def observe(self, ranks, budget: int, step_seconds: float | None = None, verify_seconds: float | None = None):
@@ -311,9 +315,6 @@ class BudgetController:
         self.steps += 1
         if budget >= self.max_budget:
             self.max_steps += 1
-            self.since_max = 0
-        else:
-            self.since_max += 1
         predicted = float(self.cost(budget + 1))
         if verify_seconds is not None and predicted > 0:
             ratio = min(max(verify_seconds / predicted, 0.25), 4.0)
@@ -345,10 +346,17 @@ class BudgetController:
         return int(self.candidates[int(np.nanargmax(tps))])
 
     def next_budget(self) -> int:
-        """Budget for the next step: explore at the largest candidate first and every `revisit_every` steps."""
-        if self.max_steps < self.explore_steps or self.since_max + 1 >= self.revisit_every:
+        """Budget for the next step: the largest candidate for the first `explore_steps` steps, then the best one,
+        and every `revisit_every`-th step the smallest candidate >= 2 * best + 1 (see module docstring)."""
+        if self.max_steps < self.explore_steps:
             return self.max_budget
-        return self.best()
+        best = self.best()
+        self.since_explore += 1
+        if self.since_explore < self.revisit_every:
+            return best
+        self.since_explore = 0
+        above = self.candidates[self.candidates >= 2 * best + 1]
+        return int(above[0]) if above.size else self.max_budget
 
     def summary(self) -> dict:
         return {

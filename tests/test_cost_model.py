@@ -117,9 +117,9 @@ def test_chooser_picks_the_best_budget_on_synthetic_curves(name, seconds, expect
     assert (expected <= 31) if expect == "small" else (expected >= 47)
 
 
-def test_controller_explores_then_exploits_and_revisits():
+def test_controller_explores_then_exploits_and_revisits_twice_its_choice():
     cost = VerifyCost(sizes=[1, 8, 64], seconds=[0.1, 0.12, 0.3])
-    controller = BudgetController(cost, candidates=[4, 16, 63], explore_steps=3, revisit_every=8)
+    controller = BudgetController(cost, candidates=[4, 16, 40, 63], explore_steps=3, revisit_every=8)
     chosen = []
     for _ in range(40):
         b = controller.next_budget()
@@ -128,9 +128,9 @@ def test_controller_explores_then_exploits_and_revisits():
     assert chosen[:3] == [63, 63, 63]
     assert controller.best() == 4
     rest = chosen[3:]
-    assert rest.count(4) > 25 and 63 in rest
-    gaps = np.diff([i for i, b in enumerate(chosen) if b == 63])
-    assert gaps.max() <= 8
+    assert rest.count(4) > 25 and 63 not in rest and 40 not in rest  # revisits 16 = smallest >= 2 * 4 + 1
+    gaps = np.diff([i for i, b in enumerate(chosen) if b > 4])
+    assert gaps.max() <= 8 and 16 in rest
 
 
 def test_statistics_from_mixed_budgets_stay_monotone():

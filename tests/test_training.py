@@ -64,12 +64,24 @@ def test_training_lowers_loss_and_raises_accepted_length(setup, tmp_path, draft_
     held_out = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"] for t in user_texts(4, 200)]
     before = acceptance_report(target, untrained, held_out, max_new_tokens=24)
-    head = train_head(target, feats, tmp_path / "head", cfg, eos_ids=[1])
-    history = json.loads((tmp_path / "head" / "training_history.json").read_text())["history"]
+
+    def curve(h):
+        assert not h.training and not torch.is_grad_enabled()
+        return {"held_out": acceptance_report(target, h, held_out, 24, check_lossless=False)["mean_accepted_length"]}
+
+    head = train_head(target, feats, tmp_path / "head", cfg, eos_ids=[1], evaluate=curve, eval_every=50)
+    saved = json.loads((tmp_path / "head" / "training_history.json").read_text())
+    history = saved["history"]
     assert history[-1]["loss"] < 0.7 * history[0]["loss"]
     after = acceptance_report(target, head.eval(), held_out, max_new_tokens=24)
     assert after["lossless"] and before["lossless"]
     assert after["mean_accepted_length"] > before["mean_accepted_length"] + 0.3
+    # the accepted-length curve: start, every 50 steps, end (120 steps), against growing response tokens
+    points = saved["evaluations"]
+    assert [e["step"] for e in points] == [0, 50, 100, 120]
+    assert points[0]["tokens"] == 0 and all(a["tokens"] < b["tokens"] for a, b in zip(points, points[1:]))
+    assert points[-1]["accepted_length"]["held_out"] == pytest.approx(after["mean_accepted_length"])
+    assert points[-1]["accepted_length"]["held_out"] > points[0]["accepted_length"]["held_out"] + 0.3
     assert (tmp_path / "head" / "training_curves.png").stat().st_size > 1000
 
 

@@ -60,6 +60,27 @@ def test_tree_is_the_best_nodes_of_the_reference_beam_search():
     tree.check_closed()
 
 
+def test_a_small_budget_tree_is_the_top_of_the_full_search():
+    """build_tree narrows beams, top-k and depth to the budget; the tree must still be exactly the best B nodes of
+    the unnarrowed search (the cost model's counterfactual acceptance relies on it)."""
+    torch.manual_seed(3)
+    logits = torch.randn(8, 40) * 2
+    logits[:, 20] = -100.0
+    logits[:, 20] = logits.topk(9, dim=1).values[:, -1] - 0.01  # the head ranks 20 tenth, last of its top-10...
+    # ... but in the corpus 20 follows every other token, so rescoring promotes it above the head's picks
+    corpus = torch.stack([torch.randint(0, 20, (2000,)), torch.full((2000,), 20)], 1).view(-1).tolist()
+    ngram = NGramModel.build([corpus], order=3, vocab_size=40, progress=False)
+    wide = TreeSearchParams(top_k=10, beam_width=8, node_budget=12)
+    pool = reference_pool(logits, 7, [5, 7], wide, ngram)
+    for budget in (1, 2, 3, 5, 8):
+        p = TreeSearchParams(top_k=10, beam_width=8, node_budget=budget)
+        tree = build_tree(logits, torch.tensor(7), torch.tensor([5, 7]), p, ngram=ngram)
+        best = dict(sorted(pool.items(), key=lambda kv: -kv[1])[:budget])
+        assert tree.size == budget + 1 and tree_paths(tree).keys() == best.keys()
+        tree.check_closed()
+    assert any(path[-1] == 20 for path in best)  # the promoted token made it into the small trees
+
+
 def test_ngram_rescoring_promotes_the_continuation_the_corpus_knows():
     logits = torch.zeros(3, 10)
     logits[:, 3] = 2.0  # the head prefers token 3 at every depth

@@ -40,15 +40,19 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr,
         anchors_per_sequence=args.anchors,
     )
+    if not (out / NGRAM_FILE).exists():
+        out.mkdir(parents=True, exist_ok=True)
+        build_ngram(tokenizer, target.config.vocab_size, features, min_count=args.ngram_min_count).save(out / NGRAM_FILE)
+    ngram = NGramModel.load(out / NGRAM_FILE)
+    if args.device == "cpu":
+        target = target.float()  # evaluate as users run it on CPU (training itself reads only the features)
     if (out / "model.safetensors").exists() and not (out / "checkpoint").exists():
         head = DartHead.from_pretrained(out)
     else:
-        head = train_head(target, features, out, cfg, eos_ids=eos_ids, device=args.device)
-    if not (out / NGRAM_FILE).exists():
-        build_ngram(tokenizer, target.config.vocab_size, features, min_count=args.ngram_min_count).save(out / NGRAM_FILE)
-    head.ngram = NGramModel.load(out / NGRAM_FILE)
+        head = train_head(target, features, out, cfg, eos_ids=eos_ids, device=args.device,
+                          evaluate=_curve_evaluator(target, tokenizer, ngram, args), eval_every=args.eval_every)
+    head.ngram = ngram
     if args.eval_n > 0:
-        target = target.float() if args.device == "cpu" else target  # evaluate as users run it on CPU
         head = head.to(target.device, target.dtype).eval()
         report = {
             ds: acceptance_report(target, head, eval_prompts(tokenizer, ds, args.eval_n), args.eval_max_new_tokens,
@@ -59,6 +63,24 @@ def run(args: argparse.Namespace) -> int:
         for ds, r in report.items():
             print(f"{ds}: mean accepted length {r['mean_accepted_length']:.2f} (lossless: {r['lossless']})")
     return 0
+
+
+def _curve_evaluator(target, tokenizer, ngram: NGramModel, args: argparse.Namespace):
+    """`head -> {data set: mean accepted length}` on the held-out prompts, for the training curve (None when
+    `--eval-every` is 0). Skips the lossless re-check: the final evaluation does that."""
+    if args.eval_every <= 0 or args.eval_n <= 0:
+        return None
+    prompts = {ds: eval_prompts(tokenizer, ds, args.eval_n) for ds in ("sharegpt", "humaneval")}
+
+    def evaluate(head: DartHead) -> dict[str, float]:
+        head.ngram = ngram
+        try:
+            return {ds: acceptance_report(target, head, p, args.eval_max_new_tokens, check_lossless=False,
+                                          desc=f"curve {ds}")["mean_accepted_length"] for ds, p in prompts.items()}
+        finally:
+            head.ngram = None  # checkpoints stay weights-only; the table is saved once beside the head
+
+    return evaluate
 
 
 def add_cli(subparsers) -> None:
@@ -79,4 +101,6 @@ def add_cli(subparsers) -> None:
     p.add_argument("--ngram-min-count", type=int, default=2)
     p.add_argument("--eval-n", type=int, default=5, help="held-out prompts per data set for evaluation")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also measure held-out accepted length every N optimizer steps (curve in training_curves.png)")
     p.set_defaults(func=run)

@@ -10,6 +10,10 @@ copied from the target's lm_head and `norm` from the target's final norm, so the
 target's own output space instead of learning it from a few hundred thousand tokens.
 
 Resumable: `out/checkpoint/` holds the head, optimizer and history; rerunning the same command continues.
+
+Progress in the unit that matters: with `evaluate` and `eval_every`, the head's mean accepted length on
+held-out prompts is measured at the start, every `eval_every` optimizer steps and at the end, against the
+number of response tokens trained on so far (the "how much more data would help" curve).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -132,8 +137,13 @@ def train_head(
     cfg: TrainConfig | None = None,
     eos_ids: list[int] | None = None,
     device: str | torch.device = "cpu",
+    evaluate: Callable[[DartHead], dict[str, float]] | None = None,
+    eval_every: int = 0,
 ) -> DartHead:
-    """Train (or resume training) a head on the shards in `feature_dir`; saves the head to `out_dir`."""
+    """Train (or resume training) a head on the shards in `feature_dir`; saves the head to `out_dir`.
+
+    `evaluate(head) -> {data set: mean accepted length}` is called with the head in eval mode under no_grad
+    at step 0, every `eval_every` steps and at the end (see module docstring)."""
     cfg = cfg or TrainConfig()
     out, ckpt = Path(out_dir), Path(out_dir) / "checkpoint"
     examples = list(iter_examples(feature_dir))
@@ -147,10 +157,23 @@ def train_head(
     params = [p for p in head.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total_steps = int(cfg.epochs * len(examples) / cfg.grad_accum)
-    step, history = 0, []
+    step, history, evaluations, tokens = 0, [], [], 0
     if state is not None:
         optim.load_state_dict(state["optimizer"])
         step, history = state["step"], json.loads(state["history"])
+        evaluations, tokens = json.loads(state.get("evaluations", "[]")), int(state.get("tokens", 0))
+
+    def maybe_evaluate() -> None:
+        if evaluate is None or (evaluations and evaluations[-1]["step"] == step):
+            return
+        if step not in (0, total_steps) and (eval_every <= 0 or step % eval_every):
+            return
+        head.eval()
+        with torch.no_grad():
+            evaluations.append({"step": step, "tokens": tokens, "accepted_length": evaluate(head)})
+        head.train()
+        tqdm.write(f"step {step}, {tokens} tokens: accepted length {evaluations[-1]['accepted_length']}")
+
     rng = random.Random(cfg.seed + step)
     order = [i for _ in range(math.ceil(cfg.epochs) + 1) for i in rng.sample(range(len(examples)), len(examples))]
     cursor = step * cfg.grad_accum
@@ -158,10 +181,13 @@ def train_head(
     to_draft = target_to_draft(head)
     acc_correct, acc_count, acc_loss, acc_n, started = torch.zeros(k1), torch.zeros(k1), 0.0, 0, time.perf_counter()
     with tqdm(total=total_steps, initial=step, desc="train head", unit="step") as bar:
+        maybe_evaluate()
         while step < total_steps:
             for group in range(cfg.grad_accum):
-                batch = anchor_batch(examples[order[cursor]], head, cfg.anchors_per_sequence, rng, to_draft)
+                example = examples[order[cursor]]
+                batch = anchor_batch(example, head, cfg.anchors_per_sequence, rng, to_draft)
                 cursor += 1
+                tokens += example.ids.numel() - example.prompt_length
                 if batch is None:
                     continue
                 aux, nxt, anchors, labels = (t.to(device) for t in batch)
@@ -184,17 +210,20 @@ def train_head(
                                 "accuracy": accuracy, "seconds": time.perf_counter() - started})
                 bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc0=f"{accuracy[0]:.2f}", acc1=f"{accuracy[1]:.2f}")
                 acc_correct, acc_count, acc_loss, acc_n = torch.zeros(k1), torch.zeros(k1), 0.0, 0
+            maybe_evaluate()
             if step % cfg.save_every == 0 or step == total_steps:
-                _save_checkpoint(head, optim, step, history, ckpt)
+                _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens)
     head.eval()
     head.save_pretrained(out)
-    (out / "training_history.json").write_text(json.dumps({"config": asdict(cfg), "history": history}, indent=1))
-    plot_history(history, out / "training_curves.png")
+    (out / "training_history.json").write_text(
+        json.dumps({"config": asdict(cfg), "history": history, "evaluations": evaluations}, indent=1))
+    plot_history(history, out / "training_curves.png", evaluations)
     return head
 
 
-def plot_history(history: list[dict], path: Path) -> None:
-    """Loss and per-depth top-1 accuracy against training sequences, as a PNG."""
+def plot_history(history: list[dict], path: Path, evaluations: list[dict] | None = None) -> None:
+    """Loss and per-depth top-1 accuracy against training sequences, and (when measured) mean accepted
+    length on held-out prompts against response tokens trained on, as one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,22 +232,33 @@ def plot_history(history: list[dict], path: Path) -> None:
     if not history:
         return
     seqs = [h["sequences"] for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    panels = 3 if evaluations else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    ax_loss, ax_acc = axes[0], axes[1]
     ax_loss.plot(seqs, [h["loss"] for h in history])
     ax_loss.set(xlabel="training sequences", ylabel="depth-weighted CE", title="loss")
     for d in range(len(history[0]["accuracy"])):
         ax_acc.plot(seqs, [h["accuracy"][d] for h in history], label=f"depth {d}")
     ax_acc.set(xlabel="training sequences", ylabel="top-1 accuracy vs target", title="per-depth accuracy")
     ax_acc.legend(fontsize=7, ncol=2)
+    if evaluations:
+        ax_len = axes[2]
+        for name in evaluations[0]["accepted_length"]:
+            ax_len.plot([e["tokens"] for e in evaluations], [e["accepted_length"][name] for e in evaluations],
+                        marker="o", label=name)
+        ax_len.set(xlabel="response tokens trained on", ylabel="mean accepted length (greedy)",
+                   title="held-out accepted length")
+        ax_len.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _save_checkpoint(head: DartHead, optim, step: int, history: list, ckpt: Path) -> None:
+def _save_checkpoint(head: DartHead, optim, step: int, history: list, ckpt: Path, evaluations: list, tokens: int) -> None:
     tmp = ckpt.with_name("checkpoint.tmp")
     head.save_pretrained(tmp)
-    torch.save({"optimizer": optim.state_dict(), "step": step, "history": json.dumps(history)}, tmp / "trainer_state.pt")
+    torch.save({"optimizer": optim.state_dict(), "step": step, "history": json.dumps(history),
+                "evaluations": json.dumps(evaluations), "tokens": tokens}, tmp / "trainer_state.pt")
     if ckpt.exists():
         for f in ckpt.iterdir():
             f.unlink()

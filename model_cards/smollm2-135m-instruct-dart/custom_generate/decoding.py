@@ -18,6 +18,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
+from .cpu_linear import few_row_linears
 from .modeling_dart import DartHead
 from .target_binding import AuxHiddenCapture
 from .tree import TreeSearchParams, build_tree
@@ -157,7 +158,7 @@ def dart_decode(
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
-    with AuxHiddenCapture(model, head.config.aux_layer_ids) as capture:
+    with AuxHiddenCapture(model, head.config.aux_layer_ids) as capture, few_row_linears(model, head):
         with timer.phase("prefill"):
             out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
             raw = out.logits[:, -1].float()

@@ -125,7 +125,11 @@ def build_tree(
     max_depth caps the depth (so no node lies past max_new_tokens).
     """
     device = draft_logits.device
-    depth_limit = draft_logits.shape[0] if max_depth is None else min(max_depth, draft_logits.shape[0])
+    # The best B nodes are closed under ancestors and outrank every other node of their depth, so beams wider than
+    # B and depths past B cannot change the tree (small CPU budgets search cheaply). top-k stays: the n-gram term
+    # can lift a token the head ranks below B.
+    budget = max(int(params.node_budget), 1)
+    depth_limit = min(draft_logits.shape[0] if max_depth is None else max_depth, draft_logits.shape[0], budget)
     k = min(params.top_k, draft_logits.shape[1])
     top_logits, top_ids = draft_logits[:depth_limit].float().topk(k, dim=-1)
     top_logp = torch.log_softmax(top_logits, dim=-1)  # softmax over the k kept tokens only (reference)
@@ -163,7 +167,7 @@ def build_tree(
         flat = scores.reshape(-1)
         if eos_token_ids is not None:
             flat = flat.masked_fill(torch.isin(cand.reshape(-1), eos_token_ids), float("-inf"))
-        w = min(params.beam_width, width)
+        w = min(params.beam_width, width, budget)
         beam_scores, sel = flat.topk(w)
         beam_nodes = pool_size + sel
         parent_beam = sel // k
@@ -172,7 +176,7 @@ def build_tree(
 
     tokens, parents = torch.cat(pool_tokens), torch.cat(pool_parents)
     depths, scores = torch.cat(pool_depths), torch.cat(pool_scores)
-    budget = min(params.node_budget, pool_size - 1)
+    budget = min(budget, pool_size - 1)
     chosen = scores[1:].topk(budget).indices + 1
     chosen = chosen[torch.isfinite(scores[chosen])]  # beams of dead (EOS / -inf) branches never enter
     chosen = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen.sort().values])
