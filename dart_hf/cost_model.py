@@ -2,7 +2,7 @@
 
 A DART step costs t_draft + t_tree + t_verify(B + 1) + t_accept and yields 1 + (accepted draft tokens) tokens.
 On a GPU, t_verify is nearly flat in the tree size up to some knee; on a CPU it is not (SmolLM2-135M fp32:
-1 token 86 ms, 64 tokens 281 ms), so the budget that maximises tokens per second depends on the device.
+1 token 47 ms, 64 tokens 161 ms on 2 cores), so the budget that maximises tokens per second depends on the device.
 
 Three parts:
 
