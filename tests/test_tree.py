@@ -61,8 +61,8 @@ def test_tree_is_the_best_nodes_of_the_reference_beam_search():
 
 
 def test_a_small_budget_tree_is_the_top_of_the_full_search():
-    """build_tree narrows beams, top-k and depth to the budget; the tree must still be exactly the best B nodes of
-    the unnarrowed search (the cost model's counterfactual acceptance relies on it)."""
+    """build_tree narrows beams and depth to the budget (not top-k); the tree must still be exactly the best B nodes
+    of the unnarrowed search (the cost model's counterfactual acceptance relies on it)."""
     torch.manual_seed(3)
     logits = torch.randn(8, 40) * 2
     logits[:, 20] = -100.0
