@@ -52,7 +52,7 @@ from .verify import verify_tree
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 DEFAULT_PAST_LEN = 256
-COST_VERSION = 2  # 2: verify through dart_hf.cpu_linear, as dart_decode runs it
+COST_VERSION = 3  # 2: verify through dart_hf.cpu_linear as dart_decode runs it; 3: contiguous output, interleaved
 _MEMO: dict[str, "VerifyCost"] = {}
 _CONTROLLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -166,11 +166,16 @@ def measure_verify_cost(
     target: PreTrainedModel,
     sizes: Sequence[int] = DEFAULT_SIZES,
     past_len: int = DEFAULT_PAST_LEN,
-    repeats: int = 3,
+    repeats: int = 5,
     warmup: int = 1,
     seed: int = 0,
 ) -> VerifyCost:
-    """Median seconds of one verify forward over N tree tokens after `past_len` cached tokens, for N in `sizes`."""
+    """Median seconds of one verify forward over N tree tokens after `past_len` cached tokens, for N in `sizes`.
+
+    The sizes are measured in interleaved rounds (every size once per round) rather than one size at a time: on a
+    shared or throttled CPU a slow spell then inflates one sample of every size instead of every sample of one
+    size, which the median discards; measured one by one, a 2-second spell once made 1 token look slower than 4.
+    """
     device = target.device
     cfg = target.config.get_text_config()
     max_pos = getattr(cfg, "max_position_embeddings", None) or 10**9
@@ -180,20 +185,19 @@ def measure_verify_cost(
     prompt = torch.randint(cfg.vocab_size, (1, past_len), generator=g).to(device)
     cache = DynamicCache(config=target.config)
     target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
-    seconds = []
+    trees = [synthetic_tree(n, device, cfg.vocab_size, seed=seed + n) for n in sizes]
+    times: list[list[float]] = [[] for _ in sizes]
     with few_row_linears(target):  # as dart_decode verifies
-        for n in sizes:
-            tree = synthetic_tree(n, device, cfg.vocab_size, seed=seed + n)
-            times = []
-            for i in range(warmup + repeats):
+        for round_ in range(warmup + repeats):
+            for i, tree in enumerate(trees):
                 _sync(device)
                 start = time.perf_counter()
                 verify_tree(target, tree, cache, past_len)
                 _sync(device)
-                if i >= warmup:
-                    times.append(time.perf_counter() - start)
+                if round_ >= warmup:
+                    times[i].append(time.perf_counter() - start)
                 cache.crop(past_len - cache.get_seq_length())  # negative: drop the tree entries again
-            seconds.append(statistics.median(times))
+    seconds = [statistics.median(t) for t in times]
     return VerifyCost(sizes=sizes, seconds=monotone_fit(seconds), key={"raw_seconds": seconds, "past_len": past_len})
 
 
@@ -201,7 +205,7 @@ def verify_cost(
     target: PreTrainedModel,
     sizes: Sequence[int] = DEFAULT_SIZES,
     past_len: int = DEFAULT_PAST_LEN,
-    repeats: int = 3,
+    repeats: int = 5,
     refresh: bool = False,
     verbose: bool = True,
 ) -> VerifyCost:

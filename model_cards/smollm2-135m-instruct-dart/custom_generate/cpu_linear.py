@@ -29,7 +29,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 < rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().reshape(*x.shape[:-1], weight.shape[0])
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
