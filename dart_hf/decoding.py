@@ -184,7 +184,8 @@ def dart_decode(
             remaining = generation_config.max_length - input_ids.shape[1]
             past_len = cache.get_seq_length()
             with timer.phase("draft"):
-                draft_logits = head.draft(aux, next_tokens.to(head.device), head_cache)
+                depth = max(1, min(params.node_budget, remaining - 1, head.config.draft_length + 1))
+                draft_logits = head.draft(aux, next_tokens.to(head.device), head_cache, depth=depth)
             with timer.phase("tree"):
                 tree = build_tree(
                     draft_logits,

@@ -302,13 +302,22 @@ class DartHead(DartPreTrainedModel):
         return HeadKVCache.empty(self.config, self.fc.weight.device, self.fc.weight.dtype, capacity)
 
     @torch.no_grad()
-    def draft(self, aux_hidden: torch.Tensor, next_tokens: torch.Tensor, cache: HeadKVCache) -> torch.Tensor:
-        """One drafting forward. Returns logits [K + 1, draft vocab] for the K + 1 tokens after the bonus token.
+    def draft(
+        self, aux_hidden: torch.Tensor, next_tokens: torch.Tensor, cache: HeadKVCache, depth: int | None = None
+    ) -> torch.Tensor:
+        """One drafting forward. Returns logits [depth, draft vocab] for the `depth` tokens after the bonus token
+        (default and at most K + 1).
 
         `aux_hidden` [1, r, 3 * target_hidden] are the target states of the r positions the head has not seen,
         `next_tokens` [1, r] the token that follows each of them (the last one is the bonus token).
+        A smaller `depth` drops the trailing MASK slots: row i attends only to rows <= i, so the rows kept are the
+        same, and a tree of B nodes never reaches past depth B (on a CPU picking 3-4 nodes, 3 of 8 rows).
         """
-        r, k_slots = aux_hidden.shape[1], self.config.draft_length
+        full = self.config.draft_length + 1
+        depth = full if depth is None else depth
+        if not 1 <= depth <= full:
+            raise ValueError(f"draft depth must be in 1..{full} (the head predicts K + 1 = {full} tokens), got {depth}")
+        r, k_slots = aux_hidden.shape[1], depth - 1
         real_x, real_res = self._layer_inputs(aux_hidden, next_tokens)
         mask_x, mask_res = self._mask_inputs(1, k_slots)
         x = torch.cat([real_x, mask_x], dim=1)

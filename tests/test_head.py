@@ -189,6 +189,24 @@ def test_draft_in_chunks_equals_one_call(arch, chunks):
         torch.testing.assert_close(stepped, fresh_draft(head, aux[:, :end], nxt[:, :end]), atol=1e-4, rtol=1e-4)
 
 
+def test_a_shallower_draft_is_the_top_rows_of_the_full_one():
+    target = make_target("llama")
+    head = scramble(make_head(target, draft_length=K))
+    head.bind_target(target)
+    aux, nxt = head_inputs(target, head, length=9)
+    full_cache, cache = head.new_cache(), head.new_cache()
+    full = head.draft(aux[:, :6], nxt[:, :6], full_cache)
+    for depth, (start, end) in zip((1, 3), ((0, 6), (6, 9))):
+        if start:
+            full = head.draft(aux[:, start:end], nxt[:, start:end], full_cache)
+        short = head.draft(aux[:, start:end], nxt[:, start:end], cache, depth=depth)
+        assert short.shape == (depth, TINY["vocab_size"]) and cache.length == full_cache.length == end
+        torch.testing.assert_close(short, full[:depth], atol=1e-5, rtol=1e-5)
+    for bad in (0, K + 2):
+        with pytest.raises(ValueError, match="draft depth"):
+            head.draft(aux[:, :1], nxt[:, :1], head.new_cache(), depth=bad)
+
+
 # ---------------------------------------------------------------------------------------------- training forward
 @pytest.mark.parametrize("arch, vocab", [("llama", "tied"), ("qwen3", "tied"), ("llama", "draft_vocab")])
 def test_training_forward_equals_draft_per_anchor(arch, vocab):

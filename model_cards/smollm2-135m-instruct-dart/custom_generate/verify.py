@@ -7,14 +7,54 @@ is built for the target's attention implementation:
 - "sdpa": a dense boolean [1, 1, N, past + N] mask;
 - "eager" (and anything else that adds the mask to the scores): the same mask as 0 / -inf floats.
 transformers passes a 4D mask or a BlockMask through to the attention layers unchanged.
+
+On CPU, an "sdpa" target verifies through `grouped_sdpa_attention_forward` (registered with transformers'
+AttentionInterface as "dart_grouped_sdpa" and selected for the verify forward only): transformers' SDPA repeats
+grouped key/value heads once per query head whenever a mask is given, which copies the whole KV cache in every
+layer at every step, while PyTorch's CPU flash kernel takes grouped heads and a mask directly (`enable_gqa`).
+SmolLM2-135M (9 query heads over 3 KV heads), 4-node trees, HumanEval: verify 37.8 -> 35.2 ms per step.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .tree import DraftTree
+
+GROUPED_SDPA = "dart_grouped_sdpa"
+
+
+def grouped_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except that a masked call on CPU keeps grouped K/V heads grouped."""
+    plain = (
+        attention_mask is None
+        or query.device.type != "cpu"
+        or query.shape[1] == key.shape[1]
+        or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks", "s_aux"))
+    )
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention_forward)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
 
 
 def tree_attention_mask(tree: DraftTree, past_len: int, attn_implementation: str, dtype: torch.dtype):
@@ -46,14 +86,21 @@ def verify_tree(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, p
     """Run the target once over the tree; returns float logits [N, vocab] (node i predicts its next token)."""
     impl = target.config._attn_implementation or "eager"
     mask = tree_attention_mask(tree, past_len, impl, target.dtype)
-    out = target(
-        input_ids=tree.tokens.unsqueeze(0),
-        attention_mask=mask,
-        position_ids=(tree.depths + past_len).unsqueeze(0),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=0,
-    )
+    grouped = impl == "sdpa" and target.device.type == "cpu"
+    if grouped:
+        target.config._attn_implementation = GROUPED_SDPA
+    try:
+        out = target(
+            input_ids=tree.tokens.unsqueeze(0),
+            attention_mask=mask,
+            position_ids=(tree.depths + past_len).unsqueeze(0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0,
+        )
+    finally:
+        if grouped:
+            target.config._attn_implementation = impl
     return out.logits[0].float()
 
 
