@@ -7,6 +7,7 @@ On the same prompts (HumanEval and held-out ShareGPT), greedy, after a warm-up g
     dart_chain      target.generate(ids, assistant_model=head, dart_mode="chain")   (transformers' assisted loop)
     dart_tree_60    target.generate(ids, assistant_model=head, dart_node_budget=60)  (reference fixed budget)
     dart_tree_auto  target.generate(ids, assistant_model=head, dart_node_budget="auto") (cost-aware budget)
+    dart_tree_auto_no_lookup   the same without prompt-lookup candidates in the tree (what the head alone gives)
 
 Reported per data set and method: tokens/s, speedup over plain, accepted length (new tokens per target forward,
 counted with a forward hook on the target; plain = 1), whether every output equals plain generate, and for the
@@ -65,6 +66,9 @@ def standard_methods(fixed_budget: int = 60, lookup_tokens: int = 10) -> list[Me
                tree=True),
         Method("dart_tree_auto", "DART tree, cost-aware budget",
                lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget="auto", **kw), tree=True),
+        Method("dart_tree_auto_no_lookup", "DART tree, cost-aware, head only (no prompt lookup)",
+               lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget="auto",
+                                                  dart_prompt_lookup=False, **kw), tree=True),
     ]
 
 

@@ -375,13 +375,18 @@ class BudgetController:
         }
 
 
-def budget_controller(head, target: PreTrainedModel, **kwargs) -> BudgetController:
-    """The controller of (head, target), created on first use (measuring or loading the verify cost curve)."""
+def budget_controller(
+    head, target: PreTrainedModel, prompt_lookup: bool | None = None, **kwargs
+) -> BudgetController:
+    """The controller of (head, target, prompt lookup on/off), created on first use (measuring or loading the verify
+    cost curve). Trees with and without lookup candidates accept differently, so each keeps its own statistics."""
     per_head = _CONTROLLERS.setdefault(head, weakref.WeakKeyDictionary())
-    controller = per_head.get(target)
+    lookup = head.config.prompt_lookup if prompt_lookup is None else bool(prompt_lookup)
+    per_target = per_head.setdefault(target, {})
+    controller = per_target.get(lookup)
     if controller is None:
         controller = BudgetController(verify_cost(target), **kwargs)
-        per_head[target] = controller
+        per_target[lookup] = controller
     return controller
 
 

@@ -42,7 +42,7 @@ def test_bench_end_to_end_writes_reports(tiny, tmp_path):
     saved = json.loads(files["results.json"].read_text())
     assert saved["all_equal"] is True and saved["mismatches"] == []
     assert saved["meta"]["prompts"] == {"humaneval": 2, "sharegpt": 1} and saved["meta"]["head"] == "tiny"
-    names = ["plain", "prompt_lookup", "dart_chain", "dart_tree_60", "dart_tree_auto"]
+    names = ["plain", "prompt_lookup", "dart_chain", "dart_tree_60", "dart_tree_auto", "dart_tree_auto_no_lookup"]
     for ds in data:
         rows = saved["datasets"][ds]
         assert list(rows) == names

@@ -10,8 +10,9 @@ from dart_hf import NGramModel
 from dart_hf.tree import LOG_EPS, MIN_DECREMENT, TreeSearchParams, ancestor_mask, build_tree
 
 
-def reference_pool(logits, root, context, p: TreeSearchParams, ngram=None, eos=()):
-    """Spec section 3, one candidate at a time: returns {path tuple: score} of every scored node."""
+def reference_pool(logits, root, context, p: TreeSearchParams, ngram=None, eos=(), lookup=()):
+    """Spec section 3, one candidate at a time: returns {path tuple: score} of every scored node. `lookup`: the
+    prompt-lookup continuation (a list of tokens), offered to the beam that holds its first d tokens."""
     k = min(p.top_k, logits.shape[1])
     beams = [((), 0.0)]
     pool = {}
@@ -20,13 +21,18 @@ def reference_pool(logits, root, context, p: TreeSearchParams, ngram=None, eos=(
         logp = torch.log_softmax(top, -1)
         cands = []
         for path, score in beams:
+            proposals = {}
             for j in range(k):
                 x = int(ids[j])
-                incr = p.logit_decay**d * float(logp[j])
+                proposals[x] = p.logit_decay**d * float(logp[j])
                 if ngram is not None and d > 0:
                     text = list(context) + list(path)
                     pr = float(ngram.prob(torch.tensor([text[-(ngram.order - 1) :]]), torch.tensor([[x]]))[0, 0])
-                    incr += p.ngram_weight * math.log(pr + LOG_EPS)
+                    proposals[x] += p.ngram_weight * math.log(pr + LOG_EPS)
+            if d < len(lookup) and list(path) == list(lookup[:d]):  # lookup proposal: no n-gram term
+                x = lookup[d]
+                proposals[x] = max(proposals.get(x, -math.inf), p.logit_decay**d * p.lookup_logp)
+            for x, incr in proposals.items():
                 incr = min((d + 1) ** -p.level_decay * incr, -MIN_DECREMENT)
                 pool[path + (x,)] = score + incr
                 cands.append((path + (x,), score + incr))
@@ -41,6 +47,34 @@ def tree_paths(tree) -> dict[tuple, float]:
         nodes = tree.ancestor_mask[i].nonzero().squeeze(1).tolist()
         out[tuple(tree.tokens[nodes[1:]].tolist())] = float(tree.scores[i])
     return out
+
+
+def test_lookup_candidates_follow_the_reference_beam_search():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 30) * 3
+    context = [5, 6, 7]
+    ngram = NGramModel.build([torch.randint(0, 30, (200,)).tolist()], order=3, vocab_size=30, progress=False)
+    top1 = int(logits[1].argmax())
+    # a continuation whose second token is the head's own favourite there (merged, not duplicated) and whose other
+    # tokens the head ranks low; valid for 3 of 4 depths
+    outside = [int(t) for t in logits[0].argsort()[:1]] + [top1] + [int(t) for t in logits[2].argsort()[:1]]
+    tokens, valid = torch.tensor(outside + [0]), torch.tensor([True, True, True, False])
+    for logp in (-0.1, -3.0):
+        p = TreeSearchParams(top_k=6, beam_width=3, node_budget=9, lookup_logp=logp)
+        tree = build_tree(logits, torch.tensor(7), torch.tensor(context), p, ngram=ngram, lookup=(tokens, valid))
+        pool = reference_pool(logits, 7, context, p, ngram, lookup=outside)
+        best = dict(sorted(pool.items(), key=lambda kv: -kv[1])[: p.node_budget])
+        got = tree_paths(tree)
+        assert got.keys() == best.keys()
+        assert all(abs(score - best[path]) < 1e-4 for path, score in got.items())
+        siblings = list(zip(tree.parents[1:].tolist(), tree.tokens[1:].tolist()))
+        assert len(siblings) == len(set(siblings)), "a token proposed by head and lookup must appear once"
+        tree.check_closed()
+        assert (tuple(outside) in got) == (logp == -0.1)  # a confident lookup chain makes the tree, whole
+    no_match = build_tree(logits, torch.tensor(7), torch.tensor(context), p, ngram=ngram,
+                          lookup=(tokens, torch.zeros(4, dtype=torch.bool)))
+    plain = build_tree(logits, torch.tensor(7), torch.tensor(context), p, ngram=ngram)
+    assert torch.equal(no_match.tokens, plain.tokens) and torch.equal(no_match.parents, plain.parents)
 
 
 def test_tree_is_the_best_nodes_of_the_reference_beam_search():

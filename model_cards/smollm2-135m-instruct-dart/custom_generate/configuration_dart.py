@@ -41,6 +41,10 @@ class DartConfig(PreTrainedConfig):
         per step (root excluded), `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`,
         weight of the n-gram log-probability. `node_budget=None` lets the decoder pick the budget from a
         measured verify-cost curve (see `dart_hf.cost_model`).
+    prompt_lookup / lookup_min_ngram / lookup_max_ngram / lookup_logp:
+        Offer the continuation of the latest earlier occurrence of the text's last n-gram (n from
+        `lookup_max_ngram` down to `lookup_min_ngram`) as one more beam-search candidate per depth, scored as if the
+        head gave it log-probability `lookup_logp` (see `dart_hf.prompt_lookup`; beyond the reference).
     """
 
     model_type = "dart"
@@ -73,6 +77,10 @@ class DartConfig(PreTrainedConfig):
     level_decay: float = 0.7
     logit_decay: float = 0.9
     ngram_weight: float = 0.5
+    prompt_lookup: bool = True
+    lookup_min_ngram: int = 2
+    lookup_max_ngram: int = 4
+    lookup_logp: float = -0.1
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -99,6 +107,12 @@ class DartConfig(PreTrainedConfig):
             raise ValueError(f"node_budget must be >= 1 or None (cost-aware), got {self.node_budget}")
         if self.tree_top_k < 1 or self.beam_width < 1:
             raise ValueError("tree_top_k and beam_width must be >= 1")
+        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
+            raise ValueError(
+                f"need 1 <= lookup_min_ngram <= lookup_max_ngram, got {self.lookup_min_ngram}, {self.lookup_max_ngram}"
+            )
+        if self.lookup_logp > 0:
+            raise ValueError(f"lookup_logp is a log-probability (<= 0), got {self.lookup_logp}")
 
     @property
     def uses_target_lm_head(self) -> bool:

@@ -20,6 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import Accepted, accept_greedy, accept_walk
 from .cpu_linear import few_row_linears
 from .modeling_dart import DartHead
+from .prompt_lookup import lookup_continuation
 from .target_binding import AuxHiddenCapture
 from .tree import TreeSearchParams, build_tree
 from .verify import compact_cache, verify_tree
@@ -107,6 +108,7 @@ def dart_decode(
     dart_head: DartHead | None = None,
     dart_streamer=None,
     dart_node_budget: int | str | None = None,
+    dart_prompt_lookup: bool | None = None,
     dart_timing: bool = False,
     **model_kwargs,
 ):
@@ -116,6 +118,8 @@ def dart_decode(
     `streamer` to custom decoding callables, so the routing passes it under this name).
     dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
     (`dart_hf.cost_model`); default: the head's config (`node_budget=None` there also means "auto").
+    dart_prompt_lookup: offer prompt-lookup continuations to the tree search (`dart_hf.prompt_lookup`); default:
+    the head's config (`prompt_lookup`).
     dart_timing: synchronise CUDA around phases so `head.stats` timings are exact.
     """
     if not isinstance(dart_head, DartHead):
@@ -138,11 +142,12 @@ def dart_decode(
     )
     eos = generation_config._eos_token_tensor
     eos = eos.to(head.device).view(-1) if eos is not None else None
+    use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
     controller = None
     if dart_node_budget == "auto" or (dart_node_budget is None and head.config.node_budget is None):
         raise ImportError('dart_hf.cost_model is not part of this custom_generate copy; pip install dart_hf to use it')
 
-        controller = budget_controller(head, model)
+        controller = budget_controller(head, model, prompt_lookup=use_lookup)
         budget = controller.max_budget
     elif isinstance(dart_node_budget, str) or (dart_node_budget is not None and int(dart_node_budget) < 1):
         raise ValueError(f'dart_node_budget must be a positive int or "auto", got {dart_node_budget!r}')
@@ -188,6 +193,12 @@ def dart_decode(
                 depth = max(1, min(params.node_budget, remaining - 1, head.config.draft_length + 1))
                 draft_logits = head.draft(aux, next_tokens.to(head.device), head_cache, depth=depth)
             with timer.phase("tree"):
+                lookup = None
+                if use_lookup:
+                    found = lookup_continuation(
+                        input_ids[0], depth, head.config.lookup_min_ngram, head.config.lookup_max_ngram
+                    )
+                    lookup = (found[0].to(head.device), found[1].to(head.device))
                 tree = build_tree(
                     draft_logits,
                     root_token=input_ids[0, -1],
@@ -197,6 +208,7 @@ def dart_decode(
                     draft_to_target=draft_to_target,
                     eos_token_ids=eos,
                     max_depth=remaining - 1,
+                    lookup=lookup,
                 )
                 tree = tree.to(model.device)
             with timer.phase("verify"):

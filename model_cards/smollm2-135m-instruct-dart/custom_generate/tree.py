@@ -6,6 +6,10 @@ Extending a partial draft s by token x at depth d adds
 with level_w(d) = (d+1)^-level_decay, logit_w(d) = logit_decay^d, and no n-gram term at d = 0 (spec 3).
 Every scored candidate goes into a pool; the best `node_budget` of the pool (plus the root) form the tree.
 
+With a prompt-lookup continuation c_1..c_L (`dart_hf.prompt_lookup`), the beam that holds c_1..c_d gets c_{d+1}
+as one more candidate at depth d+1, whose increment is level_w(d) * logit_w(d) * `lookup_logp` (no n-gram term);
+when the head already proposes that token there, the candidate keeps the better of the two increments.
+
 Everything is batched torch over (beams x top-k) per depth: the only Python loop is over depths (K+1).
 Scores strictly decrease along a path (each increment is capped below zero), so the chosen set is closed
 under ancestors, which `DraftTree.check_closed` asserts in tests.
@@ -31,6 +35,7 @@ class TreeSearchParams:
     level_decay: float = 0.7
     logit_decay: float = 0.9
     ngram_weight: float = 0.5
+    lookup_logp: float = -0.1
 
     @classmethod
     def from_config(cls, config, node_budget: int | None = None) -> "TreeSearchParams":
@@ -41,6 +46,7 @@ class TreeSearchParams:
             level_decay=config.level_decay,
             logit_decay=config.logit_decay,
             ngram_weight=config.ngram_weight,
+            lookup_logp=config.lookup_logp,
         )
 
 
@@ -107,6 +113,26 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return mask
 
 
+def _add_lookup_candidate(
+    logp: torch.Tensor,
+    cand: torch.Tensor,
+    lookup: tuple[torch.Tensor, torch.Tensor],
+    d: int,
+    on_lookup: torch.Tensor,
+    params: TreeSearchParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append one candidate column [beams, k+1]: the lookup token c_{d+1} for the beam on the lookup path, -inf
+    (never chosen) elsewhere or where the head already proposes it (that entry keeps the better score)."""
+    tokens, valid = lookup
+    token = tokens[d].expand(cand.shape[0], 1)
+    on = (on_lookup & valid[d]).unsqueeze(1)
+    lookup_logp = torch.full_like(logp[:, :1], params.logit_decay**d * params.lookup_logp)
+    same = (cand == token) & on
+    logp = torch.where(same, torch.maximum(logp, lookup_logp), logp)
+    extra = lookup_logp.masked_fill(~on | same.any(dim=1, keepdim=True), float("-inf"))
+    return torch.cat([logp, extra], dim=1), torch.cat([cand, token], dim=1)
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     root_token: torch.Tensor,
@@ -116,13 +142,15 @@ def build_tree(
     draft_to_target: torch.Tensor | None = None,
     eos_token_ids: torch.Tensor | None = None,
     max_depth: int | None = None,
+    lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> DraftTree:
     """Beam-search a draft tree.
 
-    draft_logits [K+1, Vd]: row d scores the token at tree depth d+1. root_token: 0-d tensor (the bonus
+    draft_logits [D, Vd]: row d scores the token at tree depth d+1. root_token: 0-d tensor (the bonus
     token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
     last order-1 are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
-    max_depth caps the depth (so no node lies past max_new_tokens).
+    max_depth caps the depth (so no node lies past max_new_tokens). lookup: (tokens [>= D], valid [>= D]) from
+    `dart_hf.prompt_lookup.lookup_continuation`, or None.
     """
     device = draft_logits.device
     # The best B nodes are closed under ancestors and outrank every other node of their depth, so beams wider than
@@ -150,13 +178,15 @@ def build_tree(
     beam_scores = torch.zeros(1, device=device)
     beam_nodes = torch.zeros(1, dtype=torch.long, device=device)
     beam_hist = ctx.view(1, hist_len)
+    beam_on_lookup = torch.ones(1, dtype=torch.bool, device=device)  # the beam's path is c_1..c_d
     for d in range(depth_limit):
-        incr = params.logit_decay**d * top_logp[d].unsqueeze(0).expand(beam_scores.numel(), k)
-        cand = top_ids[d].unsqueeze(0).expand_as(incr)
+        logp = params.logit_decay**d * top_logp[d].unsqueeze(0).expand(beam_scores.numel(), k)
+        cand = top_ids[d].unsqueeze(0).expand_as(logp)
         if ngram is not None and d > 0 and params.ngram_weight != 0:
-            p = ngram.prob(beam_hist, cand)
-            incr = incr + params.ngram_weight * torch.log(p + LOG_EPS)
-        incr = ((d + 1) ** -params.level_decay * incr).clamp(max=-MIN_DECREMENT)
+            logp = logp + params.ngram_weight * torch.log(ngram.prob(beam_hist, cand) + LOG_EPS)
+        if lookup is not None:  # after the n-gram term: a lookup proposal is scored by lookup_logp alone
+            logp, cand = _add_lookup_candidate(logp, cand, lookup, d, beam_on_lookup, params)
+        incr = ((d + 1) ** -params.level_decay * logp).clamp(max=-MIN_DECREMENT)
         scores = beam_scores.unsqueeze(1) + incr  # dead beams carry -inf and stay -inf
         width = scores.numel()
         pool_tokens.append(cand.reshape(-1))
@@ -170,7 +200,9 @@ def build_tree(
         w = min(params.beam_width, width, budget)
         beam_scores, sel = flat.topk(w)
         beam_nodes = pool_size + sel
-        parent_beam = sel // k
+        parent_beam = sel // cand.shape[1]
+        if lookup is not None:
+            beam_on_lookup = beam_on_lookup[parent_beam] & (cand.reshape(-1)[sel] == lookup[0][d])
         beam_hist = torch.cat([beam_hist[parent_beam, 1:], cand.reshape(-1)[sel].unsqueeze(1)], dim=1)
         pool_size += width
 
