@@ -15,11 +15,14 @@ def acceptance_report(
     check_lossless: bool = True, desc: str = "evaluate",
 ) -> dict:
     """Greedy DART on each prompt: new tokens per target forward (bonus included), and whether every output
-    equals plain `generate` (the lossless contract, checked on the same prompts)."""
+    equals plain `generate` (the lossless contract, checked on the same prompts). Prompt-lookup candidates are off:
+    this measures the head (training curves, model cards), not what lookup adds on top (`dart-hf bench` shows both)."""
     per_prompt, lossless = [], True
     for ids in tqdm(prompts, desc=desc, unit="prompt"):
         ids = ids.to(target.device)
-        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=max_new_tokens)
+        out = target.generate(
+            ids, assistant_model=head, do_sample=False, max_new_tokens=max_new_tokens, dart_prompt_lookup=False
+        )
         if check_lossless:
             lossless &= torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens))
         per_prompt.append(head.stats["mean_accepted_length"])
