@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import Accepted, accept_greedy, accept_walk
 from .cpu_linear import few_row_linears
 from .modeling_dart import DartHead
-from .prompt_lookup import lookup_continuation
+from .prompt_lookup import lookup_for_tree
 from .target_binding import AuxHiddenCapture
 from .tree import TreeSearchParams, build_tree
 from .verify import compact_cache, verify_tree
@@ -189,15 +189,10 @@ def dart_decode(
             remaining = generation_config.max_length - input_ids.shape[1]
             past_len = cache.get_seq_length()
             with timer.phase("draft"):
-                depth = max(1, min(params.node_budget, remaining - 1, head.config.draft_length + 1))
+                depth = max(1, min(params.node_budget, remaining - 1, head.config.num_predictions))
                 draft_logits = head.draft(aux, next_tokens.to(head.device), head_cache, depth=depth)
             with timer.phase("tree"):
-                lookup = None
-                if use_lookup:
-                    found = lookup_continuation(
-                        input_ids[0], depth, head.config.lookup_min_ngram, head.config.lookup_max_ngram
-                    )
-                    lookup = (found[0].to(head.device), found[1].to(head.device))
+                lookup = lookup_for_tree(input_ids[0], depth, head.config, head.device) if use_lookup else None
                 tree = build_tree(
                     draft_logits,
                     root_token=input_ids[0, -1],

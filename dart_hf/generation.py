@@ -23,7 +23,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .decoding import dart_decode
 from .modeling_dart import DartHead
-from .prompt_lookup import lookup_continuation
+from .prompt_lookup import lookup_for_tree
 from .target_binding import AuxHiddenCapture, check_head_matches_target
 from .tree import TreeSearchParams, build_tree
 
@@ -66,10 +66,6 @@ class DartCandidateGenerator(CandidateGenerator):
         if depth <= 0:
             return input_ids, None
         cfg = self.head.config
-        lookup = None
-        if cfg.prompt_lookup:
-            tokens, valid = lookup_continuation(input_ids[0], depth, cfg.lookup_min_ngram, cfg.lookup_max_ngram)
-            lookup = (tokens.to(self.head.device), valid.to(self.head.device))
         tree = build_tree(
             draft_logits,
             root_token=input_ids[0, -1],
@@ -79,7 +75,7 @@ class DartCandidateGenerator(CandidateGenerator):
             draft_to_target=self.head.draft_to_target,
             eos_token_ids=self.eos,
             max_depth=depth,
-            lookup=lookup,
+            lookup=lookup_for_tree(input_ids[0], depth, cfg, self.head.device) if cfg.prompt_lookup else None,
         )
         chain = tree.tokens[tree.best_chain()[1:]].to(input_ids.device)
         self.calls += 1

@@ -49,8 +49,8 @@ def test_generate_uses_it_by_default_and_not_when_told_not_to(monkeypatch):
     target = make_target("llama")
     head = make_head(target)
     calls = []
-    real = prompt_lookup.lookup_continuation
-    monkeypatch.setattr("dart_hf.decoding.lookup_continuation", lambda *a: calls.append(1) or real(*a))
+    real = prompt_lookup.lookup_for_tree
+    monkeypatch.setattr("dart_hf.decoding.lookup_for_tree", lambda *a: calls.append(1) or real(*a))
     ids = prompts(1, seed=3)[0]
     ref = target.generate(ids, do_sample=False, max_new_tokens=12)
     assert torch.equal(target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12), ref)
@@ -61,6 +61,8 @@ def test_generate_uses_it_by_default_and_not_when_told_not_to(monkeypatch):
     head.config.prompt_lookup = False
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
     assert not calls
+    target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_prompt_lookup=True)
+    assert calls  # the call's setting wins over the config
 
 
 def test_lossless_when_the_lookup_is_always_wrong(monkeypatch):
@@ -69,7 +71,7 @@ def test_lossless_when_the_lookup_is_always_wrong(monkeypatch):
     head = make_head(target)
     head.config.lookup_logp = 0.0
     garbage = lambda context, length, *a: (torch.full((length,), 5), torch.ones(length, dtype=torch.bool))
-    monkeypatch.setattr("dart_hf.decoding.lookup_continuation", garbage)
+    monkeypatch.setattr("dart_hf.decoding.lookup_for_tree", garbage)
     ids = prompts(1, seed=4)[0]
     ref = target.generate(ids, do_sample=False, max_new_tokens=16)
     assert torch.equal(target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=16), ref)

@@ -314,7 +314,7 @@ class DartHead(DartPreTrainedModel):
         A smaller `depth` drops the trailing MASK slots: row i attends only to rows <= i, so the rows kept are the
         same, and a tree of B nodes never reaches past depth B (on a CPU picking 3-4 nodes, 3 of 8 rows).
         """
-        full = self.config.draft_length + 1
+        full = self.config.num_predictions
         depth = full if depth is None else depth
         if not 1 <= depth <= full:
             raise ValueError(f"draft depth must be in 1..{full} (the head predicts K + 1 = {full} tokens), got {depth}")

@@ -38,4 +38,13 @@ def lookup_continuation(
     return context[index.clamp(0, max(t - 1, 0))], valid
 
 
-__all__ = ["lookup_continuation"]
+def lookup_for_tree(
+    context: torch.Tensor, length: int, config, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookup_continuation` with a head config's n-gram range, on the head's device: the `lookup` argument of
+    `dart_hf.tree.build_tree`."""
+    tokens, valid = lookup_continuation(context, length, config.lookup_min_ngram, config.lookup_max_ngram)
+    return tokens.to(device), valid.to(device)
+
+
+__all__ = ["lookup_continuation", "lookup_for_tree"]
