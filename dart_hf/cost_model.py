@@ -2,7 +2,7 @@
 
 A DART step costs t_draft + t_tree + t_verify(B + 1) + t_accept and yields 1 + (accepted draft tokens) tokens.
 On a GPU, t_verify is nearly flat in the tree size up to some knee; on a CPU it is not (SmolLM2-135M fp32:
-1 token 47 ms, 64 tokens 161 ms on 2 cores), so the budget that maximises tokens per second depends on the device.
+2 tokens 32 ms, 64 tokens 178 ms on 2 cores), so the budget that maximises tokens per second depends on the device.
 
 Three parts:
 
@@ -23,7 +23,8 @@ Three parts:
    tree again (on a CPU a 96-node verify costs about four small steps).
 
 The decoding loop (`dart_hf.decoding.dart_decode`) uses a controller when the head's `config.node_budget` is
-None or when `generate(..., dart_node_budget="auto")`; controllers persist per (head, target) across calls.
+None or when `generate(..., dart_node_budget="auto")`; controllers persist per (head, target, prompt lookup on/off)
+across calls.
 """
 
 from __future__ import annotations
