@@ -7,17 +7,17 @@
 
 from transformers import AutoConfig, AutoModel
 
-from . import generation
-from .configuration_dart import DartConfig
-from .decoding import dart_decode
-from .generation import DartCandidateGenerator
-from .modeling_dart import DartHead
-from .ngram import NGramModel
-from .tree import DraftTree, TreeSearchParams, build_tree
+from .integrations import transformers as _routing
+from .core.configuration import DartConfig
+from .core.loop import dart_decode
+from .integrations.transformers import DartCandidateGenerator
+from .core.modeling import DartHead
+from .core.ngram import NGramModel
+from .core.tree import DraftTree, TreeSearchParams, build_tree
 
 AutoConfig.register("dart", DartConfig)
 AutoModel.register(DartConfig, DartHead)
-generation.install()
+_routing.install()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dart_hf import bench
+from dart_hf.tools import bench
 
 
 def main(argv: list[str] | None = None) -> int:

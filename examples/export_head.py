@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel
 
 import dart_hf  # noqa: F401  (registers the "dart" model type)
-from dart_hf.hub import write_custom_generate
+from dart_hf.tools.hub import write_custom_generate
 
 
 REPO = "dart-hf/smollm2-135m-instruct-dart"

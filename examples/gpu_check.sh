@@ -28,7 +28,7 @@ timeout 120 python - > "$OUT/tiny_cuda.txt" 2>&1 <<'EOF'
 import json, os, torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 import dart_hf
-from dart_hf import cost_model
+from dart_hf.core import budget as cost_model
 
 report = {}
 for dtype in (torch.float32, torch.bfloat16):

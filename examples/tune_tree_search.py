@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 import dart_hf  # noqa: F401  (registers the "dart" model type and the assistant routing)
-from dart_hf.assets import eval_prompts, load_target
-from dart_hf.modeling_dart import DartHead
-from dart_hf.prompt_lookup import lookup_continuation
-from dart_hf.target_binding import AuxHiddenCapture
-from dart_hf.tree import TreeSearchParams, build_tree
+from dart_hf.tools.assets import eval_prompts, load_target
+from dart_hf.core.modeling import DartHead
+from dart_hf.core.prompt_lookup import lookup_continuation
+from dart_hf.core.target import AuxHiddenCapture
+from dart_hf.core.tree import TreeSearchParams, build_tree
 
 HEAD = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
 KEEP = 64  # draft logits kept per row: build_tree reads the top tree_top_k (25) of them

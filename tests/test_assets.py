@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import WORDS, make_word_tokenizer
-from dart_hf import assets
+from dart_hf.tools import assets
 from dart_hf.training import data
 
 # ---------------------------------------------------------------------------------------------- fixtures

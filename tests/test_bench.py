@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_head, make_target, prompts
-from dart_hf import bench, cost_model
+from dart_hf.tools import bench, cost_model
 
 
 @pytest.fixture(autouse=True)

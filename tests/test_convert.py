@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import dart_hf
 from conftest import TINY, make_target, prompts
-from dart_hf.convert import QWEN3_TARGETS, add_cli, convert_main, convert_reference, read_trie
+from dart_hf.tools.convert import QWEN3_TARGETS, add_cli, convert_main, convert_reference, read_trie
 
 VOCAB = TINY["vocab_size"]
 
@@ -260,10 +260,10 @@ def test_builtin_qwen3_targets_resolve_without_target_config(tmp_path):
         src = tmp_path / target.name
         src.mkdir(parents=True)
         (src / "config.json").write_text(json.dumps(cfg))
-        ref = dart_hf.convert.read_reference_config(src)
-        resolved = dart_hf.convert.resolve_target(None, ref)
+        ref = dart_hf.tools.convert.read_reference_config(src)
+        resolved = dart_hf.tools.convert.resolve_target(None, ref)
         assert resolved == target
-        config = dart_hf.convert.dart_config_from_reference(ref, resolved)
+        config = dart_hf.tools.convert.dart_config_from_reference(ref, resolved)
         n = target.num_hidden_layers
         assert config.aux_layer_ids == [2, n // 2, n - 3] and config.target_model_type == "qwen3"
 

@@ -12,12 +12,12 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 import dart_hf
 from conftest import make_head, make_target, prompts
-from dart_hf import cost_model
-from dart_hf.acceptance import accept_greedy
-from dart_hf.cost_model import BudgetController, VerifyCost, accepted_for_budgets, path_ranks
-from dart_hf.decoding import _first_stop
-from dart_hf.tree import TreeSearchParams, build_tree
-from dart_hf.verify import compact_cache, verify_tree
+from dart_hf.core import budget as cost_model
+from dart_hf.core.acceptance import accept_greedy
+from dart_hf.core.budget import BudgetController, VerifyCost, accepted_for_budgets, path_ranks
+from dart_hf.core.loop import _first_stop
+from dart_hf.core.tree import TreeSearchParams, build_tree
+from dart_hf.core.verify import compact_cache, verify_tree
 
 
 @pytest.fixture(autouse=True)

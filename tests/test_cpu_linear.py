@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import make_head, make_target, prompts
-from dart_hf import cpu_linear
-from dart_hf.cpu_linear import few_row_linear, few_row_linears
+from dart_hf.core import cpu_linear
+from dart_hf.core.cpu_linear import few_row_linear, few_row_linears
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])

@@ -11,8 +11,8 @@ from transformers import AutoModel
 
 import dart_hf
 from conftest import TINY, make_head, make_target, prompts
-from dart_hf.modeling_dart import packed_anchor_mask
-from dart_hf.target_binding import AuxHiddenCapture
+from dart_hf.core.modeling import packed_anchor_mask
+from dart_hf.core.target import AuxHiddenCapture
 
 K = 4  # draft_length of the heads below
 

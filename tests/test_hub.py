@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 
 import dart_hf
 from conftest import make_head, make_target, prompts
-from dart_hf import hub
-from dart_hf.convert import QWEN3_TARGETS
+from dart_hf.tools import hub
+from dart_hf.tools.convert import QWEN3_TARGETS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CARDS = REPO_ROOT / "model_cards"
@@ -276,7 +276,7 @@ def test_custom_generate_runs_dart_without_dart_hf(tmp_path, qwen3, head):
 
 def test_shipped_custom_generate_copy_matches_the_package():
     """The committed model_cards/*/custom_generate/ copy is generated: it must not drift from dart_hf."""
-    from dart_hf.hub import custom_generate_sources
+    from dart_hf.tools.hub import custom_generate_sources
 
     folder = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
     expected = custom_generate_sources("dart-hf/smollm2-135m-instruct-dart")

@@ -10,8 +10,8 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from conftest import make_head, make_target
-from dart_hf.acceptance import accept_walk
-from dart_hf.tree import DraftTree, ancestor_mask
+from dart_hf.core.acceptance import accept_walk
+from dart_hf.core.tree import DraftTree, ancestor_mask
 
 CHI2_999 = {4: 18.47, 5: 20.52, 7: 24.32, 11: 31.26, 15: 37.70}  # 99.9% quantiles by degrees of freedom
 

@@ -16,8 +16,8 @@ from transformers import AutoModel, AutoModelForCausalLM, BitsAndBytesConfig
 
 import dart_hf
 from conftest import make_head, make_target, prompts
-from dart_hf.placement import head_placement, module_device, prepare_head
-from dart_hf.target_binding import decoder_layers
+from dart_hf.core.target import head_placement, module_device, prepare_head
+from dart_hf.core.target import decoder_layers
 
 NEW_TOKENS = 12
 

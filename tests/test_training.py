@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import WORDS, make_target, make_word_tokenizer
-from dart_hf.evaluation import acceptance_report
+from dart_hf.tools.evaluation import acceptance_report
 from dart_hf.training.features import collect_features, iter_examples
 from dart_hf.training.train import TrainConfig, anchor_batch, new_head, train_head
 
@@ -30,7 +30,7 @@ def test_features_line_up_with_a_plain_forward(setup):
     target, tok, feats = setup
     examples = list(iter_examples(feats))
     assert len(examples) == 40
-    from dart_hf.target_binding import AuxHiddenCapture
+    from dart_hf.core.target import AuxHiddenCapture
 
     ex = examples[3]
     assert ex.aux.shape == (ex.ids.numel() - 1, 3 * 64)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from dart_hf import NGramModel
-from dart_hf.tree import LOG_EPS, MIN_DECREMENT, TreeSearchParams, ancestor_mask, build_tree
+from dart_hf.core.tree import LOG_EPS, MIN_DECREMENT, TreeSearchParams, ancestor_mask, build_tree
 
 
 def reference_pool(logits, root, context, p: TreeSearchParams, ngram=None, eos=(), lookup=()):

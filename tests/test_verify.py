@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from conftest import make_target
-from dart_hf.tree import TreeSearchParams, build_tree
-from dart_hf.verify import compact_cache, tree_attention_mask, verify_tree
+from dart_hf.core.tree import TreeSearchParams, build_tree
+from dart_hf.core.verify import compact_cache, tree_attention_mask, verify_tree
 
 
 def random_tree(vocab: int, seed: int = 0, budget: int = 14):

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dart_hf.assets import USER_TEXT_MAX_CHARS, chat_input_ids, load_sharegpt, load_target
+from dart_hf.tools.assets import USER_TEXT_MAX_CHARS, chat_input_ids, load_sharegpt, load_target
 
 PROMPT_MAX_TOKENS = 384
 """Prompts are cut to this many tokens: longer ones cost quadratic attention for little extra signal."""

@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..assets import load_target
-from ..configuration_dart import default_aux_layer_ids
-from ..target_binding import AuxHiddenCapture
+from ..tools.assets import load_target
+from ..core.configuration import default_aux_layer_ids
+from ..core.target import AuxHiddenCapture
 from .data import _chunks, generate_batch, greedy_config, prompt_token_ids, sharegpt_training_prompts
 
 SHARD_GLOB = "features-*.safetensors"

@@ -13,8 +13,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from ..assets import load_sharegpt, load_target
-from ..ngram import NGramModel
+from ..tools.assets import load_sharegpt, load_target
+from ..core.ngram import NGramModel
 from .features import iter_examples
 
 

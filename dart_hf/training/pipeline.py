@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from ..assets import eval_prompts, load_target
-from ..evaluation import acceptance_report
-from ..modeling_dart import DartHead
-from ..ngram import FILE_NAME as NGRAM_FILE
-from ..ngram import NGramModel
+from ..tools.assets import eval_prompts, load_target
+from ..tools.evaluation import acceptance_report
+from ..core.modeling import DartHead
+from ..core.ngram import FILE_NAME as NGRAM_FILE
+from ..core.ngram import NGramModel
 from .data import sharegpt_training_prompts
 from .features import collect_features
 from .ngram_corpus import build_ngram

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..modeling_dart import DartHead
+from ..core.modeling import DartHead
 from .features import Example, iter_examples
 
 IGNORE = -100

@@ -39,11 +39,11 @@ class DartConfig(PreTrainedConfig):
         Tree search defaults (spec section 3): per-depth top-k, beam width, number of draft nodes verified
         per step (root excluded), `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`,
         weight of the n-gram log-probability. `node_budget=None` lets the decoder pick the budget from a
-        measured verify-cost curve (see `dart_hf.cost_model`).
+        measured verify-cost curve (see `dart_hf.core.budget`).
     prompt_lookup / lookup_min_ngram / lookup_max_ngram / lookup_logp:
         Offer the continuation of the latest earlier occurrence of the text's last n-gram (n from
         `lookup_max_ngram` down to `lookup_min_ngram`) as one more beam-search candidate per depth, scored as if the
-        head gave it log-probability `lookup_logp` (see `dart_hf.prompt_lookup`; beyond the reference).
+        head gave it log-probability `lookup_logp` (see `dart_hf.core.prompt_lookup`; beyond the reference).
     """
 
     model_type = "dart"

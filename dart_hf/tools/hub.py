@@ -3,7 +3,7 @@
 A head folder on the Hub is self-sufficient in two ways:
 - with dart_hf installed: `AutoModel.from_pretrained(repo)` + `target.generate(..., assistant_model=head)`;
 - without it: `target.generate(..., custom_generate=repo, trust_remote_code=True)` runs `custom_generate/generate.py`,
-  a generated copy of `dart_hf.custom_generate_entry` plus the dart_hf modules it imports (see
+  a generated copy of `dart_hf.integrations.custom_generate` plus the dart_hf modules it imports (see
   `custom_generate_sources`). The copy is regenerated on every push so it always matches this dart_hf version and
   names the repo it lives in.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from . import __version__
+from .. import __version__
 from .convert import CONFIG_FILE, WEIGHTS_FILE
-from .ngram import FILE_NAME as NGRAM_FILE
+from ..core.ngram import FILE_NAME as NGRAM_FILE
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ENTRY_MODULE = "custom_generate_entry"
@@ -80,7 +80,7 @@ def _vendor(name: str, tree: ast.Module, modules: set[str]) -> str:
         message = f"dart_hf.{node.module} is not part of this custom_generate copy; pip install dart_hf to use it"
         lines[node.lineno - 1 : node.end_lineno] = [f"{indent}raise ImportError({message!r})\n"]
     header = (
-        f"# Generated from dart_hf/{name}.py (dart_hf {__version__}) by dart_hf.hub.write_custom_generate."
+        f"# Generated from dart_hf/{name}.py (dart_hf {__version__}) by dart_hf.tools.hub.write_custom_generate."
         " Do not edit.\n"
     )
     return header + "".join(lines)
@@ -180,7 +180,7 @@ def push_head(
     Refuses (ValueError, before any network call) a folder that `DartHead.from_pretrained` would not load, so a
     broken head never reaches the Hub. The uploaded `custom_generate/generate.py` loads the head from `repo_id`.
     """
-    from .modeling_dart import DartHead
+    from ..core.modeling import DartHead
 
     files = push_file_list(folder)
     try:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModel, TextStreamer
 
 from .assets import chat_input_ids, load_target
-from .placement import prepare_head
+from ..core.target import prepare_head
 
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short explanation."

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from .configuration_dart import DartConfig
+from .configuration import DartConfig
 from .ngram import FILE_NAME as NGRAM_FILE
 from .ngram import NGramModel
 
@@ -149,7 +149,7 @@ class DartHead(DartPreTrainedModel):
     """DART draft head. Build one with `DartHead.from_target(target)`, load one with `from_pretrained`.
 
     Use it as `target.generate(..., assistant_model=head)`; `import dart_hf` routes that call to the
-    tree decoding loop (see `dart_hf.generation`). After a call, `head.stats` holds what happened.
+    tree decoding loop (see `dart_hf.integrations.transformers`). After a call, `head.stats` holds what happened.
     """
 
     def __init__(self, config: DartConfig):
@@ -174,7 +174,7 @@ class DartHead(DartPreTrainedModel):
     @classmethod
     def from_target(cls, target: PreTrainedModel, draft_length: int = 7, **overrides) -> "DartHead":
         """A fresh (untrained) head sized for `target`: hidden size, heads, RoPE and vocab are copied from it."""
-        from .target_binding import dart_config_for_target
+        from .target import dart_config_for_target
 
         head = cls(dart_config_for_target(target, draft_length=draft_length, **overrides))
         return head.to(device=target.device, dtype=target.dtype)
@@ -239,11 +239,11 @@ class DartHead(DartPreTrainedModel):
 
     def node_budget_for(self, target: PreTrainedModel) -> int:
         """Draft nodes verified per step: the config's fixed budget, or (node_budget=None) the budget that
-        maximises expected tokens per second on this target and device (`dart_hf.cost_model`; the tree loop
+        maximises expected tokens per second on this target and device (`dart_hf.core.budget`; the tree loop
         re-chooses it every step from running acceptance statistics, this returns its current best)."""
         if self.config.node_budget is not None:
             return self.config.node_budget
-        from .cost_model import cost_aware_budget
+        from .budget import cost_aware_budget
 
         return cost_aware_budget(self, target)
 
@@ -252,11 +252,11 @@ class DartHead(DartPreTrainedModel):
         """Borrow the target's embedding (and lm_head when tied) after checking the head was built for it.
 
         With `place`, the head also moves to the device and floating dtype of the target's last decoder layer
-        (`dart_hf.placement`), so `generate(assistant_model=head)` works on any target as loaded; training
+        (`dart_hf.core.target`), so `generate(assistant_model=head)` works on any target as loaded; training
         passes `place=False` to keep an fp32 head beside a bf16 target.
         """
-        from .placement import prepare_head
-        from .target_binding import check_head_matches_target
+        from .target import prepare_head
+        from .target import check_head_matches_target
 
         check_head_matches_target(self, target)
         if place:

@@ -6,7 +6,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .modeling_dart import DartHead
+from ..core.modeling import DartHead
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ Three parts:
    twice the current choice, so the statistics just above the choice stay fresh without paying for the largest
    tree again (on a CPU a 96-node verify costs about four small steps).
 
-The decoding loop (`dart_hf.decoding.dart_decode`) uses a controller when the head's `config.node_budget` is
+The decoding loop (`dart_hf.core.loop.dart_decode`) uses a controller when the head's `config.node_budget` is
 None or when `generate(..., dart_node_budget="auto")`; controllers persist per (head, target, prompt lookup on/off)
 across calls.
 """
@@ -53,7 +53,7 @@ from .verify import verify_tree
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 DEFAULT_PAST_LEN = 256
-COST_VERSION = 4  # 2: through dart_hf.cpu_linear as dart_decode runs it; 3: interleaved rounds; 4: no smoothing
+COST_VERSION = 4  # 2: through dart_hf.core.cpu_linear as dart_decode runs it; 3: interleaved rounds; 4: no smoothing
 _MEMO: dict[str, "VerifyCost"] = {}
 _CONTROLLERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -83,7 +83,7 @@ class VerifyCost:
 
 
 def cost_dir() -> Path:
-    """`$DART_HF_CACHE/cost`, else `~/.cache/dart_hf/cost` (same root as dart_hf.assets.cache_dir)."""
+    """`$DART_HF_CACHE/cost`, else `~/.cache/dart_hf/cost` (same root as dart_hf.tools.assets.cache_dir)."""
     return Path(os.environ.get("DART_HF_CACHE", "~/.cache/dart_hf")).expanduser() / "cost"
 
 

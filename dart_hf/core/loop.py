@@ -3,7 +3,7 @@
 `dart_decode` has the signature of a transformers decoding method, so `GenerationMixin.generate` prepares
 everything (GenerationConfig, logits processors and warpers, stopping criteria incl. stop strings, max
 length, the DynamicCache) and then hands over to it, either through `custom_generate=dart_decode` or through
-the `assistant_model=DartHead` routing installed by `import dart_hf` (see `dart_hf.generation`).
+the `assistant_model=DartHead` routing installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
 from .cpu_linear import few_row_linears
-from .modeling_dart import DartHead
+from .modeling import DartHead
 from .prompt_lookup import lookup_for_tree
-from .target_binding import AuxHiddenCapture
+from .target import AuxHiddenCapture
 from .tree import TreeSearchParams, build_tree
 from .verify import compact_cache, verify_tree
 
@@ -116,8 +116,8 @@ def dart_decode(
     dart_head: the draft head. dart_streamer: a transformers streamer (transformers does not forward
     `streamer` to custom decoding callables, so the routing passes it under this name).
     dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
-    (`dart_hf.cost_model`); default: the head's config (`node_budget=None` there also means "auto").
-    dart_prompt_lookup: offer prompt-lookup continuations to the tree search (`dart_hf.prompt_lookup`); default:
+    (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also means "auto").
+    dart_prompt_lookup: offer prompt-lookup continuations to the tree search (`dart_hf.core.prompt_lookup`); default:
     the head's config (`prompt_lookup`).
     dart_timing: synchronise CUDA around phases so `head.stats` timings are exact.
     """
@@ -144,7 +144,7 @@ def dart_decode(
     use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
     controller = None
     if dart_node_budget == "auto" or (dart_node_budget is None and head.config.node_budget is None):
-        from .cost_model import budget_controller
+        from .budget import budget_controller
 
         controller = budget_controller(head, model, prompt_lookup=use_lookup)
         budget = controller.max_budget

@@ -2,7 +2,7 @@
 
     target.generate(input_ids, custom_generate="<head folder or repo>", trust_remote_code=True, max_new_tokens=64)
 
-`dart_hf.hub.write_custom_generate` copies this module to `<head folder>/custom_generate/generate.py`, next to
+`dart_hf.tools.hub.write_custom_generate` copies this module to `<head folder>/custom_generate/generate.py`, next to
 verbatim copies of the dart_hf modules it imports (transformers copies relative imports along with generate.py),
 and fills in `HEAD_LOCATION`: the folder, or the Hub repo the folder is pushed to. The copy never imports
 dart_hf. transformers calls `generate(model=target, **every generate() argument)`; this function loads the head
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 
-from .decoding import dart_decode
-from .modeling_dart import DartHead
-from .placement import prepare_head
+from ..core.loop import dart_decode
+from ..core.modeling import DartHead
+from ..core.target import prepare_head
 
 HEAD_LOCATION: str | None = None
 _HEADS: dict[str, DartHead] = {}

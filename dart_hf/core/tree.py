@@ -5,7 +5,7 @@ Extending a partial draft s by token x at depth d adds
 with level_w(d) = (d+1)^-level_decay, logit_w(d) = logit_decay^d, and no n-gram term at d = 0 (spec 3).
 Every scored candidate goes into a pool; the best `node_budget` of the pool (plus the root) form the tree.
 
-With a prompt-lookup continuation c_1..c_L (`dart_hf.prompt_lookup`), the beam that holds c_1..c_d gets c_{d+1}
+With a prompt-lookup continuation c_1..c_L (`dart_hf.core.prompt_lookup`), the beam that holds c_1..c_d gets c_{d+1}
 as one more candidate at depth d+1, whose increment is level_w(d) * logit_w(d) * `lookup_logp` (no n-gram term);
 when the head already proposes that token there, the candidate keeps the better of the two increments.
 
@@ -149,7 +149,7 @@ def build_tree(
     token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
     last order-1 are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
     max_depth caps the depth (so no node lies past max_new_tokens). lookup: (tokens [>= D], valid [>= D]) from
-    `dart_hf.prompt_lookup.lookup_continuation`, or None.
+    `dart_hf.core.prompt_lookup.lookup_continuation`, or None.
     """
     device = draft_logits.device
     # The best B nodes are closed under ancestors and outrank every other node of their depth, so beams wider than

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import bench, convert, demo, hub
-from .training import ngram_corpus, pipeline
+from ..training import ngram_corpus, pipeline
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -134,7 +134,7 @@ def run_bench(
         eos = target.generation_config.eos_token_id
         gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
     if any(m.name.endswith("_auto") for m in methods):  # measure (or load) the verify cost curve outside timing
-        from .cost_model import verify_cost
+        from ..core.budget import verify_cost
 
         verify_cost(target)
     if warmup:
@@ -381,9 +381,9 @@ def run_synthetic(
     Correct by construction: the cost curve is `cost_model.measure_verify_cost` and the steps are the real tree
     loop (`generate(..., assistant_model=head, dart_timing=True)`); nothing here re-implements decoding.
     """
-    from .cost_model import DEFAULT_SIZES, measure_verify_cost
-    from .modeling_dart import DartHead
-    from .ngram import NGramModel
+    from ..core.budget import DEFAULT_SIZES, measure_verify_cost
+    from ..core.modeling import DartHead
+    from ..core.ngram import NGramModel
 
     device = torch.device(device)
     t0 = time.perf_counter()
@@ -490,7 +490,7 @@ def synthetic_markdown(results: dict) -> str:
 def _load_head(path: str, target):
     from transformers import AutoModel
 
-    from .placement import prepare_head
+    from ..core.target import prepare_head
 
     return prepare_head(AutoModel.from_pretrained(path).eval(), target)
 

@@ -21,11 +21,11 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .decoding import dart_decode
-from .modeling_dart import DartHead
-from .prompt_lookup import lookup_for_tree
-from .target_binding import AuxHiddenCapture, check_head_matches_target
-from .tree import TreeSearchParams, build_tree
+from ..core.loop import dart_decode
+from ..core.modeling import DartHead
+from ..core.prompt_lookup import lookup_for_tree
+from ..core.target import AuxHiddenCapture, check_head_matches_target
+from ..core.tree import TreeSearchParams, build_tree
 
 MODES = ("tree", "chain")
 

@@ -7,7 +7,7 @@ a Llama-style `config.json` with the extra fields `draft_length`, `draft_vocab_s
 
     config.json          DartConfig (model_type "dart"): the head's shape plus the target it was built for
     model.safetensors    the reference tensors, checked key by key and shape by shape (`embed_tokens` dropped)
-    ngram.safetensors    the trie as sorted n-gram count tables (dart_hf.ngram), when a .trie was given
+    ngram.safetensors    the trie as sorted n-gram count tables (dart_hf.core.ngram), when a .trie was given
     custom_generate/     DART for `generate(custom_generate=..., trust_remote_code=True)` without dart_hf
 
 Config mapping (reference -> DartConfig), stated here because two of them are easy to get wrong:
@@ -36,10 +36,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .configuration_dart import DartConfig, default_aux_layer_ids
-from .modeling_dart import DartHead
-from .ngram import FILE_NAME as NGRAM_FILE
-from .ngram import NGramModel
+from ..core.configuration import DartConfig, default_aux_layer_ids
+from ..core.modeling import DartHead
+from ..core.ngram import FILE_NAME as NGRAM_FILE
+from ..core.ngram import NGramModel
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -372,7 +372,7 @@ def _check_children(mm: mmap.mmap, offsets: np.ndarray, nodes: np.ndarray, path:
 
 
 def _ngram_keys(nodes: np.ndarray, order: int, vocab_size: int, path: Path, progress: bool):
-    """(key, length) of the n-gram each non-root node spells (key = sum t_i * V^(m-i), as in dart_hf.ngram).
+    """(key, length) of the n-gram each non-root node spells (key = sum t_i * V^(m-i), as in dart_hf.core.ngram).
 
     Each chunk of nodes climbs towards the root together, `order` vectorised steps at most.
     """
