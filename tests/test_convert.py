@@ -52,7 +52,7 @@ def reference_config(**overrides) -> dict:
 
 
 def reference_state_dict(cfg: dict, seed: int = 0, with_embed: bool = False) -> dict[str, torch.Tensor]:
-    """Random tensors with the shapes of spec section 1 (written from the spec, not from DartHead)."""
+    """Random tensors with the shapes of docs/DART_SPEC.md §1 (written from the spec, not from DartHead)."""
     g = torch.Generator().manual_seed(seed)
     h, i, th = cfg["hidden_size"], cfg["intermediate_size"], cfg["target_hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]

@@ -1,4 +1,4 @@
-"""Choosing which draft tokens the target accepts (spec section 4). Both rules are lossless.
+"""Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Both rules are lossless.
 
 - `accept_greedy`: no logits processors, greedy. Vectorised over the whole tree: a node is accepted when its
   token equals the target's argmax at every ancestor; the deepest accepted node ends the path.

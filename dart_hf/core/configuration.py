@@ -36,7 +36,7 @@ class DartConfig(PreTrainedConfig):
     final_norm_repeats (`int`, defaults to 1):
         How many times `norm` is applied before `lm_head`. Reference checkpoints were trained with 2.
     tree_top_k / beam_width / node_budget / level_decay / logit_decay / ngram_weight:
-        Tree search defaults (spec section 3): per-depth top-k, beam width, number of draft nodes verified
+        Tree search defaults (docs/DART_SPEC.md §3): per-depth top-k, beam width, number of draft nodes verified
         per step (root excluded), `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`,
         weight of the n-gram log-probability. `node_budget=None` lets the decoder pick the budget from a
         measured verify-cost curve (see `dart_hf.core.budget`).

@@ -1,6 +1,6 @@
 """`DartHead`: one decoder layer that drafts `draft_length + 1` tokens in ONE forward.
 
-Data flow of a decoding step (spec section 1):
+Data flow of a decoding step (docs/DART_SPEC.md §1):
 
     aux = cat(target layer inputs at aux_layer_ids)          [r, 3 * target_hidden]   (new real positions)
     fc_out = fc(aux)                                          residual stream of real rows
@@ -344,7 +344,7 @@ class DartHead(DartPreTrainedModel):
         anchors: torch.Tensor,
         attention_mask=None,
     ) -> torch.Tensor:
-        """Training forward over packed anchors (spec section 2).
+        """Training forward over packed anchors (docs/DART_SPEC.md §2).
 
         `aux_hidden` [B, T, 3H] and `next_tokens` [B, T] cover a whole sequence; `anchors` [B, A] are real
         positions, each followed by its own block of K MASK slots appended after the T real rows. Every

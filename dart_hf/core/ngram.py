@@ -5,7 +5,7 @@ a sorted key array plus a count array and a lookup is one `torch.searchsorted` o
 (context, candidate) pairs, on whatever device the draft logits live. No Python loop over candidates.
 
 P(x | context) uses the longest suffix of `context` that was seen as a context in the corpus:
-count(suffix + x) / count(suffix + anything); 0 when x never followed it (spec section 5).
+count(suffix + x) / count(suffix + anything); 0 when x never followed it (docs/DART_SPEC.md §5).
 """
 
 from __future__ import annotations

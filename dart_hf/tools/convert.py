@@ -3,7 +3,7 @@
 The reference release (github.com/fvliang/DART) ships one head per Qwen3 size (`fvliang/qwen{1.7b,4b,8b,14b,32b}-dart`:
 a Llama-style `config.json` with the extra fields `draft_length`, `draft_vocab_size`, `target_hidden_size`, and a
 `model.safetensors` whose keys are already dart_hf's) and one n-gram trie for all of them
-(`fvliang/dart-qwen3-ngram`: `full.trie`, `small.trie`, spec section 5). The output folder holds:
+(`fvliang/dart-qwen3-ngram`: `full.trie`, `small.trie`, docs/DART_SPEC.md §5). The output folder holds:
 
     config.json          DartConfig (model_type "dart"): the head's shape plus the target it was built for
     model.safetensors    the reference tensors, checked key by key and shape by shape (`embed_tokens` dropped)
@@ -402,7 +402,7 @@ def _ngram_keys(nodes: np.ndarray, order: int, vocab_size: int, path: Path, prog
 
 
 def read_trie(path: str | os.PathLike, vocab_size: int | None = None, progress: bool = True) -> NGramModel:
-    """Read a reference `.trie` (spec section 5) into an `NGramModel` with the same counts.
+    """Read a reference `.trie` (docs/DART_SPEC.md §5) into an `NGramModel` with the same counts.
 
     The file is memory-mapped, never read byte by byte: node fields are gathered with numpy, and the only Python
     loop is the walk over record boundaries (one step per record, long runs of leaf records in one numpy view).

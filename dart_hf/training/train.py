@@ -1,4 +1,4 @@
-"""Training a DART head on captured target features (spec section 2, sized for a CPU or one GPU).
+"""Training a DART head on captured target features (docs/DART_SPEC.md §2, sized for a CPU or one GPU).
 
 Each step takes one sequence, picks `anchors_per_sequence` anchor positions in its response, and runs the
 packed-anchor forward (`DartHead.forward`): every anchor's K MASK slots see only that anchor's prefix, so
