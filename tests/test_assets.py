@@ -196,8 +196,10 @@ def _unbatched_greedy(target: LlamaForCausalLM, prompt_ids: list[int], max_new_t
 def test_batched_left_padded_generation_matches_unbatched(tiny_target, tokenizer, eos: int) -> None:
     tiny_target.generation_config.eos_token_id = eos
     prompts = _prompts(5)
-    records = data.regenerate_responses(tiny_target, tokenizer, prompts, max_new_tokens=12, batch_size=3)
-    assert [r["prompt_ids"] for r in records] == [data.prompt_token_ids(tokenizer, p) for p in prompts]
+    config = data.greedy_config(tiny_target, tokenizer, 12)
+    prompt_ids = [data.prompt_token_ids(tokenizer, p) for p in prompts]
+    records = [r for batch in data._chunks(prompt_ids, 3) for r in data.generate_batch(tiny_target, batch, config)]
+    assert [r["prompt_ids"] for r in records] == prompt_ids
     assert len({len(r["prompt_ids"]) for r in records}) == 5  # really padded
     for record in records:
         assert 0 < len(record["response_ids"]) <= 12
@@ -209,33 +211,6 @@ def test_batched_left_padded_generation_matches_unbatched(tiny_target, tokenizer
 def test_cut_after_eos_keeps_the_first_eos() -> None:
     assert data.cut_after_eos([5, 6, 2, 0, 2], {2, 0}) == [5, 6, 2]
     assert data.cut_after_eos([5, 6], {2}) == [5, 6]
-
-
-def test_regeneration_resumes_and_skips_done_prompts(tiny_target, tokenizer, tmp_path: Path, monkeypatch) -> None:
-    out = tmp_path / "corpus.jsonl"
-    prompts = _prompts(4)
-    first = data.regenerate_responses(tiny_target, tokenizer, prompts[:2], max_new_tokens=6, batch_size=2, out_path=out)
-    with open(out, "a") as handle:
-        handle.write('{"prompt_ids": [1, 2')  # a job killed mid-write
-    generated: list[list[int]] = []
-    real_generate_batch = data.generate_batch
-
-    def counting(target, batch, config):
-        generated.extend(batch)
-        return real_generate_batch(target, batch, config)
-
-    monkeypatch.setattr(data, "generate_batch", counting)
-    both = data.regenerate_responses(tiny_target, tokenizer, prompts, max_new_tokens=6, batch_size=2, out_path=out)
-    assert sorted(map(tuple, generated)) == sorted(tuple(data.prompt_token_ids(tokenizer, p)) for p in prompts[2:])
-    assert both[:2] == first
-    by_prompt = lambda record: record["prompt_ids"]  # noqa: E731
-    assert sorted(data.load_corpus(out), key=by_prompt) == sorted(both, key=by_prompt)
-    assert out.read_text().count("\n") == 4
-
-
-def test_duplicate_prompts_are_generated_once(tiny_target, tokenizer) -> None:
-    records = data.regenerate_responses(tiny_target, tokenizer, ["w1 w2", "w1 w2", "w3"], max_new_tokens=4)
-    assert len(records) == 2
 
 
 # ---------------------------------------------------------------------------------------------- real assets
