@@ -1,0 +1,138 @@
+"""`dart-hf`: the command line. It parses its arguments before anything heavy is imported.
+
+Why a top-level module and not `dart_hf.tools.cli`: importing any `dart_hf.*` module first runs `dart_hf/__init__.py`,
+which must register the "dart" model type with transformers' Auto classes (so it imports torch and transformers,
+seconds of work). `dart-hf --help` and argument errors should not pay that, so the parser lives here and each
+subcommand names the function that runs it (`"module:function"`, imported only once the arguments are valid).
+Each such function takes the parsed `argparse.Namespace` and returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+TARGET_HELP = "known target name (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct) or a local model folder"
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DATASETS = ("humaneval", "sharegpt")
+DTYPES = ("float32", "bfloat16")
+ATTN = ("sdpa", "eager", "flex_attention")
+
+
+def _command(sub, name: str, runner: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, help=help, description=description or help)
+    parser.set_defaults(runner=runner)
+    return parser
+
+
+def _demo(sub) -> None:
+    p = _command(sub, "demo", "dart_hf.tools.demo:run",
+                 "stream an answer with DART and compare its speed with plain generate")
+    p.add_argument("--prompt", default=None, help="user message (default: a short coding question)")
+    p.add_argument("--head", default=None, help="DART head folder or Hub repo (default: the shipped SmolLM2 head)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+
+
+def _bench(sub) -> None:
+    p = _command(sub, "bench", "dart_hf.tools.bench:main",
+                 "tokens/s of DART vs plain generate, prompt lookup and chain drafting")
+    p.add_argument("--head", default=None, help="DART head folder (default: the shipped SmolLM2 head)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
+    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    p.add_argument("--n", type=int, default=5, help="prompts per data set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=60, help="fixed node budget of the reference tree method")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="subset of: plain prompt_lookup dart_chain dart_tree_<budget> dart_tree_auto "
+                   "dart_tree_auto_no_lookup (plain always runs)")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
+    p.add_argument("--synthetic", action="store_true",
+                   help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")
+
+
+def _calibrate(sub) -> None:
+    p = _command(sub, "calibrate", "dart_hf.tools.calibrate:run",
+                 "measure the target's verify cost by tree size on this device (the cost-aware budget reads it)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--force", action="store_true", help="re-measure even when a valid cached curve exists")
+
+
+def _train(sub) -> None:
+    p = _command(sub, "train", "dart_hf.training.pipeline:run",
+                 "train a DART head for a target (features, head, n-gram, evaluation)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--out", required=True, help="head folder (checkpoints and features go inside)")
+    p.add_argument("--features", default=None, help="feature shard folder (default: <out>/features)")
+    p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=24)
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype for data")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--draft-length", type=int, default=7)
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0 ties the head to the target lm_head")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--anchors", type=int, default=48, help="anchor positions trained per sequence")
+    p.add_argument("--ngram-min-count", type=int, default=2)
+    p.add_argument("--eval-n", type=int, default=5, help="held-out prompts per data set for evaluation")
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also measure held-out accepted length every N optimizer steps (curve in training_curves.png)")
+
+
+def _ngram(sub) -> None:
+    p = _command(sub, "ngram", "dart_hf.training.ngram_corpus:run",
+                 "build the n-gram table of a head from ShareGPT + regenerated answers")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--features", default=None, help="feature shards of `dart-hf train` (regenerated answers)")
+    p.add_argument("--out", required=True, help="output .safetensors file (e.g. <head>/ngram.safetensors)")
+    p.add_argument("--order", type=int, default=3)
+    p.add_argument("--min-count", type=int, default=2, help="drop 2..n-grams seen fewer times")
+    p.add_argument("--sharegpt-limit", type=int, default=None, help="first N training conversations only")
+
+
+def _convert(sub) -> None:
+    p = _command(sub, "convert", "dart_hf.tools.convert:run",
+                 "convert a reference DART checkpoint (fvliang/qwen*-dart) and .trie into a dart_hf head folder")
+    p.add_argument("reference_dir", help="folder with the reference config.json and model.safetensors")
+    p.add_argument("--ngram", metavar="FILE.trie", help="reference n-gram trie (e.g. small.trie) to convert too")
+    p.add_argument("--target-config", metavar="PATH_OR_NAME",
+                   help="target config.json (file or folder), or a Qwen3 size name such as qwen3-8b; "
+                   "default: inferred from the reference config")
+    p.add_argument("--out", required=True, help="output folder (a dart_hf head)")
+
+
+def _push(sub) -> None:
+    p = _command(sub, "push", "dart_hf.tools.hub:run",
+                 "upload a DART head folder (weights, n-gram, card, custom_generate/) to the Hugging Face Hub")
+    p.add_argument("folder", help="a dart_hf head folder (config.json + model.safetensors)")
+    p.add_argument("repo", help="Hub repo id, e.g. <user>/qwen3-8b-dart")
+    p.add_argument("--private", action="store_true", help="create the repo as private")
+    p.add_argument("--token", default=None, help="Hub token (default: the one saved by `hf auth login`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dart-hf", description="DART speculative decoding for transformers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_demo, _bench, _calibrate, _train, _ngram, _convert, _push):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, function = args.runner.split(":")
+    return getattr(importlib.import_module(module), function)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
