@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-FORMAT = "dart_hf.core.ngram"
+FORMAT = "dart_hf.ngram"  # a file-format id written into every ngram.safetensors: never follows module renames
 FILE_NAME = "ngram.safetensors"
 _COMPACT_EVERY = 20_000_000  # pending keys before an intermediate np.unique (bounds memory on big corpora)
 
