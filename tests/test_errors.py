@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -18,6 +19,8 @@ from transformers import (
 
 import dart_hf
 from conftest import TINY, make_head, make_target, prompts
+from dart_hf.tools import bench, demo
+from dart_hf.training import pipeline
 
 MODES = ["tree", "chain"]
 
@@ -270,3 +273,63 @@ def test_dart_config_boundaries_are_valid():
     cfg = dart_hf.DartConfig(vocab_size=96, target_num_layers=6, draft_length=1, aux_layer_ids=[0, 3, 5],
                              draft_vocab_size=96)  # fmt: skip
     assert cfg.num_predictions == 2 and cfg.draft_vocab_size == 96
+
+
+# ---------------------------------------------------------------------------------------------- unsupported targets
+def test_from_target_on_a_gpt2_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, bos_token_id=0, eos_token_id=1))
+    with pytest.raises(ValueError, match="'gpt2' target: its config has no intermediate_size.*Llama"):
+        dart_hf.DartHead.from_target(gpt2)
+
+
+# ---------------------------------------------------------------------------------------------- missing folders
+@pytest.mark.parametrize("relative", ["./no_head", "tests_like/no_head", "a/b/c"])
+def test_missing_local_folder_is_named_without_a_hub_lookup(tmp_path, monkeypatch, relative):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests_like").mkdir()  # `tests_like/no_head` can only be a folder here: its first part exists
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a path that can only be a local folder must not be looked up on the Hub")
+
+    monkeypatch.setattr("transformers.utils.hub.hf_hub_download", no_hub)
+    for path in (relative, str(tmp_path / "absent")):
+        with pytest.raises(FileNotFoundError, match=f"no such folder: {path}"):
+            dart_hf.DartHead.from_pretrained(path)
+
+
+def test_missing_ngram_file_of_a_head_saved_with_one(llama, tmp_path):
+    head = make_head(llama)
+    head.ngram = dart_hf.NGramModel.build([prompts(1)[0][0].tolist()], order=2, vocab_size=96, progress=False)
+    head.save_pretrained(tmp_path / "h")
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["has_ngram"] is True
+    assert dart_hf.DartHead.from_pretrained(tmp_path / "h").ngram is not None
+    (tmp_path / "h" / "ngram.safetensors").unlink()
+    with pytest.raises(ValueError, match="no ngram.safetensors.*has_ngram: true"):
+        dart_hf.DartHead.from_pretrained(tmp_path / "h")
+    make_head(llama).save_pretrained(tmp_path / "plain")  # a head saved without one loads without one
+    assert dart_hf.DartHead.from_pretrained(tmp_path / "plain").ngram is None
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def _demo_args(**kw):
+    return argparse.Namespace(**{"target": "smollm2-135m-instruct", "head": None, "prompt": None,
+                                 "max_new_tokens": 4, "dtype": "float32", **kw})
+
+
+@pytest.mark.parametrize(
+    "run_cli, message",
+    [
+        (lambda: demo.run(_demo_args(head="/nonexistent")), "dart-hf demo: error: no such folder: /nonexistent"),
+        (lambda: demo.run(_demo_args(target="no-such-target")), "'no-such-target' is neither a known target"),
+        (lambda: demo.run(_demo_args(target="/")), "/ is not a model folder: it has no config.json"),
+        (lambda: bench.main(argparse.Namespace(synthetic=False, n=0)), "--n must be at least 1"),
+        (lambda: pipeline.run(argparse.Namespace(target="no-such-target", out="unused", features=None,
+                                                 dtype="float32", device="cpu")), "dart-hf train: error: "),
+    ],
+    ids=["demo_head", "demo_target", "demo_not_a_model", "bench_n0", "train_target"],
+)
+def test_cli_bad_input_is_an_error_message_not_a_traceback(capsys, run_cli, message):
+    assert run_cli() == 2
+    assert message in capsys.readouterr().err

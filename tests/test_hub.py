@@ -4,9 +4,9 @@ round trips, the model cards, loading safety, and `custom_generate/` running DAR
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +25,8 @@ from dart_hf.tools.convert import QWEN3_TARGETS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CARDS = REPO_ROOT / "model_cards"
-CUSTOM_FILES = sorted(hub.custom_generate_sources("<repo>"))
+CUSTOM_FILES = sorted(hub.custom_generate_sources())
+SHIPPED = CARDS / "smollm2-135m-instruct-dart"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_push_file_list(tmp_path, head):
     full = write_folder(head, tmp_path / "full")
     expected = ["config.json", "model.safetensors", "ngram.safetensors", "README.md", *CUSTOM_FILES]
     assert hub.push_file_list(full) == expected
-    assert "custom_generate/generate.py" in CUSTOM_FILES and "custom_generate/modeling_dart.py" in CUSTOM_FILES
+    assert {"custom_generate/generate.py", "custom_generate/modeling.py", "custom_generate/budget.py"} <= set(CUSTOM_FILES)
     bare = tmp_path / "bare"
     make_head(make_target("qwen3")).save_pretrained(bare)
     # custom_generate/ is regenerated on push, so it is listed even where the folder has none yet
@@ -67,27 +68,34 @@ def test_push_file_list(tmp_path, head):
         hub.push_file_list(tmp_path / "missing")
 
 
-def test_custom_generate_copy_is_generated_and_self_contained(tmp_path, head):
+def test_custom_generate_copy_is_core_verbatim_plus_the_entry(tmp_path, head):
     folder = write_folder(head, tmp_path / "h")
     (folder / "custom_generate" / "stale_module.py").write_text("x = 1\n")
     written = hub.write_custom_generate(folder)
     assert sorted(f"custom_generate/{p.name}" for p in (folder / "custom_generate").iterdir()) == written
-    files = {rel: (folder / rel).read_text() for rel in written}
-    for rel, text in files.items():
-        imported = [
-            name for node in ast.walk(ast.parse(text)) if isinstance(node, (ast.Import, ast.ImportFrom))
-            for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
-            if not getattr(node, "level", 0)
-        ]
-        assert not any(name.split(".")[0] == "dart_hf" for name in imported), rel
-        assert text.startswith("# Generated from dart_hf/"), rel
-        name = Path(rel).stem
-        if name != "generate":  # every other file is the package module, verbatim below the header
-            original = (REPO_ROOT / "dart_hf" / f"{name}.py").read_text()
-            body = text.split("\n", 1)[1]
-            assert body == original or "is not part of this custom_generate copy" in body, rel
-    assert f"HEAD_LOCATION: str | None = {str(folder.resolve())!r}" in files["custom_generate/generate.py"]
-    assert "from .cost_model" not in files["custom_generate/modeling_dart.py"]
+    core = sorted(p for p in (REPO_ROOT / "dart_hf" / "core").glob("*.py") if p.name != "__init__.py")
+    assert written == sorted([f"custom_generate/{p.name}" for p in core] + ["custom_generate/generate.py"])
+    for path in core:  # every core module, whole and verbatim (the cost model behind node_budget=None included)
+        assert (folder / "custom_generate" / path.name).read_text() == path.read_text(), path.name
+    generate_py = (folder / "custom_generate" / "generate.py").read_text()
+    entry = (REPO_ROOT / "dart_hf" / "integrations" / "custom_generate.py").read_text()
+    assert generate_py.split("\n", 1)[1] == re.sub(r"^from \.\.core\.", "from .", entry, flags=re.MULTILINE)
+    assert hub.REGENERATE_COMMAND in generate_py.split("\n", 1)[0]
+    assert str(tmp_path) not in generate_py  # the copy names no folder: it can be moved or pushed as it is
+
+
+def test_custom_generate_copy_refuses_imports_transformers_would_not_copy():
+    ok = {"custom_generate/a.py": "from .b import x\n", "custom_generate/b.py": "import torch\n"}
+    hub._check_self_contained(ok)
+    for bad, message in [
+        ("from . import b\n", "only `from .module import name`"),
+        ("from ..b import x\n", "only `from .module import name`"),
+        ("from .c import x\n", r"imports \['c'\]"),
+        ("import dart_hf.core\n", "imports dart_hf"),
+        ('"""\nfrom .c import x\n"""\n', r"imports \['c'\]"),  # transformers' regex would look for c.py
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            hub._check_self_contained({**ok, "custom_generate/a.py": bad})
 
 
 # ---------------------------------------------------------------------------------------------------- round trip
@@ -171,7 +179,7 @@ def test_push_head_uploads_the_file_list(tmp_path, head, fake_hub):
     assert repo == "someone/tiny-dart" and kw["private"] is True
     assert [op.path_in_repo for op in ops] == hub.push_file_list(folder)
     generate_py = next(op for op in ops if op.path_in_repo == "custom_generate/generate.py").path_or_fileobj
-    assert b"HEAD_LOCATION: str | None = 'someone/tiny-dart'" in generate_py  # not the local folder
+    assert generate_py == hub.custom_generate_sources()["custom_generate/generate.py"].encode()
 
 
 def test_push_refuses_a_folder_that_is_not_a_loadable_head(tmp_path, head, fake_hub):
@@ -242,13 +250,14 @@ RUN_WITHOUT_DART_HF = textwrap.dedent(
     sys.modules["dart_hf"] = None  # any `import dart_hf` now raises ImportError
     from transformers import AutoModelForCausalLM
 
-    target_dir, head_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    target_dir, location, prompts, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     same = []
     for p in prompts:
         ids = torch.tensor([p])
         ref = target.generate(ids, do_sample=False, max_new_tokens=12)
-        out = target.generate(ids, custom_generate=head_dir, trust_remote_code=True, do_sample=False, max_new_tokens=12)
+        out = target.generate(ids, custom_generate=location, trust_remote_code=True, do_sample=False,
+                              max_new_tokens=12, **extra)
         same.append(torch.equal(out, ref))
     loaded = sorted(m for m in sys.modules if m == "dart_hf" or m.startswith("dart_hf."))
     print(json.dumps({"same": same, "dart_hf_modules": loaded, "dart_hf": repr(sys.modules["dart_hf"])}))
@@ -256,30 +265,113 @@ RUN_WITHOUT_DART_HF = textwrap.dedent(
 )
 
 
-def test_custom_generate_runs_dart_without_dart_hf(tmp_path, qwen3, head):
-    target_dir, head_dir = tmp_path / "target", tmp_path / "head"
-    qwen3.save_pretrained(target_dir)
-    write_folder(head, head_dir)
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+def run_without_dart_hf(tmp_path: Path, target_dir: Path, location: str, extra: dict | None = None, **env) -> dict:
+    env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1",
+           "DART_HF_CACHE": str(tmp_path / "dart_cache"), **env}
     ids = json.dumps([p[0].tolist() for p in prompts(2, seed=5)])
     proc = subprocess.run(
-        [sys.executable, "-c", RUN_WITHOUT_DART_HF, str(target_dir), str(head_dir), ids],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+        [sys.executable, "-c", RUN_WITHOUT_DART_HF, str(target_dir), location, ids, json.dumps(extra or {})],
+        capture_output=True, text=True, env={**os.environ, **env}, cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+WITHOUT_DART_HF = {"same": [True, True], "dart_hf_modules": ["dart_hf"], "dart_hf": "None"}
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, qwen3):
+    folder = tmp_path_factory.mktemp("target")
+    qwen3.save_pretrained(folder)
+    return folder
+
+
+def test_custom_generate_runs_dart_without_dart_hf(tmp_path, qwen3_dir, head):
+    """A relative path from another folder, after the head folder was moved: the copy finds the head where it
+    was loaded from; and a cost-aware head (node_budget null) runs its cost model from the copy."""
+    write_folder(head, tmp_path / "written")
+    (tmp_path / "elsewhere").mkdir()
+    shutil.move(tmp_path / "written", tmp_path / "elsewhere" / "head")
+    assert run_without_dart_hf(tmp_path, qwen3_dir, "elsewhere/head") == WITHOUT_DART_HF
+    # transformers copied the core modules next to generate.py in its module cache
+    copied = {p.name for p in (tmp_path / "modules").rglob("custom_generate/*.py")}
+    assert {"generate.py", "loop.py", "modeling.py", "tree.py", "budget.py"} <= copied
+
+    cfg_file = tmp_path / "elsewhere" / "head" / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "node_budget": None}))
+    assert run_without_dart_hf(tmp_path, qwen3_dir, "elsewhere/head") == WITHOUT_DART_HF
+    assert list((tmp_path / "dart_cache" / "cost").glob("*.json"))  # the copy measured the verify cost
+
+
+def test_custom_generate_from_a_hub_snapshot_offline(tmp_path, qwen3_dir, head):
+    """`custom_generate="<user>/<repo>"` with the repo in the Hub cache: the head loads from that snapshot."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-dart"
+    write_folder(head, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    result = run_without_dart_hf(tmp_path, qwen3_dir, "someone/tiny-dart", HF_HUB_CACHE=str(tmp_path / "hub"))
+    assert result == WITHOUT_DART_HF
+
+
+def test_custom_generate_dart_head_overrides_the_location(tmp_path, qwen3_dir, head):
+    """`dart_head=` picks the head; a folder with only the code then runs it (and a missing head is named)."""
+    code_only = tmp_path / "code_only"
+    hub.write_custom_generate(code_only)
+    write_folder(head, tmp_path / "head", custom=False)
+    result = run_without_dart_hf(tmp_path, qwen3_dir, str(code_only), {"dart_head": str(tmp_path / "head")})
+    assert result == WITHOUT_DART_HF
+    with pytest.raises(AssertionError, match="code_only"):
+        run_without_dart_hf(tmp_path, qwen3_dir, str(code_only))
+
+
+def readme_custom_generate_snippet() -> str:
+    """The code block of the README section that tells users how to run a head without dart_hf."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("### Run a head without installing dart_hf"):]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+README_SNIPPET_RUNNER = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.modules["dart_hf"] = None  # any `import dart_hf` now raises ImportError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+    tok = AutoTokenizer.from_pretrained(sys.argv[1])
+    input_ids = tok.apply_chat_template([{"role": "user", "content": "Write a function that reverses a string."}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    scope = {"target": target, "input_ids": input_ids}
+    exec(sys.argv[2], scope)
+    new = scope["out"].shape[1] - input_ids.shape[1]
+    ref = target.generate(input_ids, do_sample=False, max_new_tokens=new)
+    print(json.dumps({"same": torch.equal(scope["out"], ref), "new": new, "dart_hf": repr(sys.modules["dart_hf"])}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_readme_custom_generate_snippet_with_the_shipped_head(tmp_path):
+    """EXACTLY the README's snippet, run from the repo root with dart_hf blocked, on the real SmolLM2 target and the
+    shipped head (node_budget null: the cost model runs from the copy): the output equals plain greedy generate."""
+    from dart_hf.tools.assets import target_folder
+
+    snippet = readme_custom_generate_snippet()
+    assert 'custom_generate="model_cards/smollm2-135m-instruct-dart"' in snippet
+    proc = subprocess.run(
+        [sys.executable, "-c", README_SNIPPET_RUNNER, str(target_folder("smollm2-135m-instruct")), snippet],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=900,
+        env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"same": [True, True], "dart_hf_modules": ["dart_hf"], "dart_hf": "None"}
-    # transformers copied the vendored modules next to generate.py in its module cache
-    copied = {p.name for p in (tmp_path / "modules").rglob("custom_generate/*.py")}
-    assert {"generate.py", "decoding.py", "modeling_dart.py", "tree.py"} <= copied
+    assert result["same"] and result["new"] > 0 and result["dart_hf"] == "None", result
 
 
 def test_shipped_custom_generate_copy_matches_the_package():
     """The committed model_cards/*/custom_generate/ copy is generated: it must not drift from dart_hf."""
-    from dart_hf.tools.hub import custom_generate_sources
-
-    folder = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
-    expected = custom_generate_sources("dart-hf/smollm2-135m-instruct-dart")
-    shipped = {f"custom_generate/{p.name}": p.read_text() for p in (folder / "custom_generate").glob("*.py")}
-    expected = {k if k.startswith("custom_generate/") else f"custom_generate/{k}": v for k, v in expected.items()}
-    assert shipped == expected, "regenerate with: python examples/export_head.py runs/<head> <folder>"
+    shipped = {f"custom_generate/{p.name}": p.read_text() for p in (SHIPPED / "custom_generate").glob("*.py")}
+    command = hub.REGENERATE_COMMAND.replace("<head folder>", "model_cards/smollm2-135m-instruct-dart")
+    assert shipped == hub.custom_generate_sources(), f"regenerate with: {command}"

@@ -149,6 +149,30 @@ def packaged_file(item: PackagedFile) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------
+# The shipped head
+
+SHIPPED_HEAD = "smollm2-135m-instruct-dart"
+"""The head that ships with dart_hf (for the default target `smollm2-135m-instruct`)."""
+
+
+def shipped_head(name: str = SHIPPED_HEAD) -> Path:
+    """Folder of a head shipped with dart_hf, the default `--head` of `dart-hf demo` and `dart-hf bench`.
+
+    An installed wheel carries it as package data (`dart_hf/model_cards/<name>`, see pyproject.toml); a source
+    checkout (editable install) has it at `model_cards/<name>` beside the package.
+    """
+    package = Path(__file__).resolve().parent.parent
+    candidates = (package / "model_cards" / name, package.parent / "model_cards" / name)
+    for folder in candidates:
+        if (folder / "config.json").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"the shipped head {name!r} is not installed (looked in {', '.join(map(str, candidates))}); "
+        "reinstall dart_hf or pass a head folder"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # Targets
 
 
@@ -182,6 +206,8 @@ def target_folder(name_or_path: str) -> Path:
         raise FileNotFoundError(
             f"{name_or_path!r} is neither a known target ({', '.join(KNOWN_TARGETS)}) nor an existing folder"
         )
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a model folder: it has no config.json")
     return folder
 
 

@@ -35,7 +35,9 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
+from .assets import shipped_head
+
+DEFAULT_HEAD = shipped_head()  # for add_cli; main() resolves --head None to the same folder
 DATASETS = ("humaneval", "sharegpt")
 PHASES = ("draft", "tree", "verify", "accept")
 PHASE_LABELS = {"draft": "head forward", "tree": "tree search", "verify": "target verify", "accept": "accept + cache"}
@@ -487,14 +489,6 @@ def synthetic_markdown(results: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
-def _load_head(path: str, target):
-    from transformers import AutoModel
-
-    from ..core.target import prepare_head
-
-    return prepare_head(AutoModel.from_pretrained(path).eval(), target)
-
-
 def main(args: argparse.Namespace) -> int:
     if args.synthetic:
         if not torch.cuda.is_available():
@@ -505,26 +499,28 @@ def main(args: argparse.Namespace) -> int:
         results = run_synthetic(attn_implementation=args.attn, out_dir=args.out, new_tokens=args.max_new_tokens)
         print(synthetic_markdown(results))
         return 0
-    head_path = Path(args.head).expanduser()
-    if not (head_path / "config.json").is_file() or not any(head_path.glob("*.safetensors")):
-        print(f"dart-hf bench: no DART head at {head_path} (need config.json and model.safetensors). Train one "
-              "(`dart-hf train ...`) or point --head at a head folder.", file=sys.stderr)
+    if args.n < 1:
+        print(f"dart-hf bench: error: --n must be at least 1 (prompts per data set), got {args.n}", file=sys.stderr)
         return 2
     from transformers.utils import logging as hf_logging
 
-    import dart_hf  # noqa: F401  (routes assistant_model=DartHead)
-
-    from .assets import eval_prompts, load_target
+    from .assets import eval_prompts
+    from .demo import load_target_and_head
 
     hf_logging.set_verbosity_error()
-    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), attn_implementation=args.attn)
-    head = _load_head(str(head_path), target)
+    try:
+        target, tokenizer, head = load_target_and_head(args.target, args.head, getattr(torch, args.dtype),
+                                                       attn_implementation=args.attn)
+    except (OSError, ValueError) as err:  # unknown target, missing or broken head folder, head for another model
+        print(f"dart-hf bench: error: {err}", file=sys.stderr)
+        return 2
+    head_path = args.head if args.head is not None else str(shipped_head())
     prompts = {ds: eval_prompts(tokenizer, ds, args.n) for ds in args.datasets}
     methods = [m for m in standard_methods(fixed_budget=args.budget) if args.methods is None or m.name in
                args.methods or m.name == "plain"]
     results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
                         out_dir=args.out, warmup=not args.no_warmup,
-                        meta={"head": str(head_path), "target_name": args.target})
+                        meta={"head": head_path, "target_name": args.target})
     print(markdown_report(results))
     print(f"\nwrote {Path(args.out) / 'results.json'}, results.md, results.png")
     return exit_status(results)

@@ -7,16 +7,17 @@ tokens/s of both, the speedup, the mean accepted length and whether the two outp
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoModel, TextStreamer
+from transformers import TextStreamer
 
-from .assets import chat_input_ids, load_target
-from ..core.target import prepare_head
+from .assets import chat_input_ids, load_target, shipped_head
+from ..core.modeling import DartHead
+from ..core.target import check_head_matches_target, prepare_head
 
-DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
+DEFAULT_HEAD = shipped_head()
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short explanation."
 
 
@@ -26,14 +27,27 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+def load_target_and_head(target_name: str, head_path, dtype: torch.dtype, **target_kwargs):
+    """(target, tokenizer, head placed for it), or a ValueError / OSError that says which input is wrong.
+    `head_path` None: the shipped head. Used by `dart-hf demo` and `dart-hf bench`."""
+    head = DartHead.from_pretrained(head_path if head_path is not None else shipped_head()).eval()  # fails fastest
+    target, tokenizer = load_target(target_name, dtype=dtype, **target_kwargs)
+    check_head_matches_target(head, target)
+    return target, tokenizer, prepare_head(head, target)
+
+
 def run(args: argparse.Namespace) -> int:
-    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
-    head = prepare_head(AutoModel.from_pretrained(args.head), target)
-    ids = chat_input_ids(tokenizer, args.prompt).to(target.device)
+    try:
+        target, tokenizer, head = load_target_and_head(args.target, args.head, getattr(torch, args.dtype))
+    except (OSError, ValueError) as err:  # unknown target, missing or broken head folder, head for another model
+        print(f"dart-hf demo: error: {err}", file=sys.stderr)
+        return 2
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    ids = chat_input_ids(tokenizer, prompt).to(target.device)
     gen = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=8)  # warm-up (first-call costs)
     target.generate(ids, do_sample=False, max_new_tokens=8)
-    print(f"\n>>> {args.prompt}\n")
+    print(f"\n>>> {prompt}\n")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     dart_out, dart_s = _timed(lambda: target.generate(ids, assistant_model=head, streamer=streamer, **gen))
     stats = dict(head.stats)

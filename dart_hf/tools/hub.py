@@ -2,10 +2,8 @@
 
 A head folder on the Hub is self-sufficient in two ways:
 - with dart_hf installed: `AutoModel.from_pretrained(repo)` + `target.generate(..., assistant_model=head)`;
-- without it: `target.generate(..., custom_generate=repo, trust_remote_code=True)` runs `custom_generate/generate.py`,
-  a generated copy of `dart_hf.integrations.custom_generate` plus the dart_hf modules it imports (see
-  `custom_generate_sources`). The copy is regenerated on every push so it always matches this dart_hf version and
-  names the repo it lives in.
+- without it: `target.generate(..., custom_generate=repo, trust_remote_code=True)` runs `custom_generate/generate.py`
+  (see `custom_generate_sources`). The copy is regenerated on every push so it always matches this dart_hf version.
 """
 
 from __future__ import annotations
@@ -24,122 +22,86 @@ from .. import __version__
 from .convert import CONFIG_FILE, WEIGHTS_FILE
 from ..core.ngram import FILE_NAME as NGRAM_FILE
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-ENTRY_MODULE = "custom_generate_entry"
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+CORE_DIR = PACKAGE_DIR / "core"
+ENTRY_FILE = PACKAGE_DIR / "integrations" / "custom_generate.py"
 CUSTOM_GENERATE_DIR = "custom_generate"
 CARD_FILE = "README.md"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-_LOCATION_LINE = "HEAD_LOCATION: str | None = None\n"
-# the pattern transformers (dynamic_module_utils.get_relative_imports) uses to find files to copy along
-_TRANSFORMERS_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\S+)\s+import", flags=re.MULTILINE)
+REGENERATE_COMMAND = "python -m dart_hf.tools.hub <head folder>"
+# the patterns transformers (dynamic_module_utils.get_relative_imports) uses to find the files to copy along
+_TRANSFORMERS_RELATIVE_IMPORT = re.compile(r"^\s*(?:from\s+\.(\S+)\s+import|import\s+\.(\S+)\s*$)", flags=re.MULTILINE)
+_ENTRY_CORE_IMPORT = re.compile(r"^from \.\.core\.(\w+) import ", flags=re.MULTILINE)
 
 
-# ---------------------------------------------------------------------------------------------------- vendoring
-def _relative_imports(tree: ast.Module, module: str) -> tuple[set[str], list[ast.ImportFrom]]:
-    """(modules imported at module level, import statements inside functions) among `from .x import y`."""
-    eager: set[str] = set()
-    lazy: list[ast.ImportFrom] = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ImportFrom) and child.level:
-                if child.level != 1 or not child.module:
-                    raise ValueError(f"dart_hf/{module}.py: only `from .module import name` can be vendored")
-                if in_function:
-                    lazy.append(child)
-                else:
-                    eager.add(child.module)
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
-
-    visit(tree, False)
-    return eager, lazy
-
-
-def _vendored_modules() -> dict[str, ast.Module]:
-    """The entry module and everything it imports at module level, transitively (name -> parsed source)."""
-    found: dict[str, ast.Module] = {}
-    todo = [ENTRY_MODULE]
-    while todo:
-        name = todo.pop()
-        if name in found:
-            continue
-        source = (PACKAGE_DIR / f"{name}.py").read_text(encoding="utf-8")
-        found[name] = ast.parse(source)
-        todo.extend(_relative_imports(found[name], name)[0])
-    return found
-
-
-def _vendor(name: str, tree: ast.Module, modules: set[str]) -> str:
-    """The source of dart_hf/<name>.py with function-level imports of non-vendored modules turned into an
-    ImportError (e.g. the cost model behind `node_budget=None`): transformers would otherwise look for those files."""
-    lines = (PACKAGE_DIR / f"{name}.py").read_text(encoding="utf-8").splitlines(keepends=True)
-    for node in sorted(_relative_imports(tree, name)[1], key=lambda n: -n.lineno):
-        if node.module in modules:
-            continue
-        indent = lines[node.lineno - 1][: node.col_offset]
-        message = f"dart_hf.{node.module} is not part of this custom_generate copy; pip install dart_hf to use it"
-        lines[node.lineno - 1 : node.end_lineno] = [f"{indent}raise ImportError({message!r})\n"]
-    header = (
-        f"# Generated from dart_hf/{name}.py (dart_hf {__version__}) by dart_hf.tools.hub.write_custom_generate."
-        " Do not edit.\n"
-    )
-    return header + "".join(lines)
-
-
-def _absolute_imports(tree: ast.Module) -> list[str]:
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            names.append(node.module)
-    return names
+# ---------------------------------------------------------------------------------------------------- custom_generate
+def _imports(text: str) -> tuple[set[str], list[str]]:
+    """(relative modules imported as `from .x import y`, absolute top-level packages) of a source file; raises on
+    any other relative import form, which transformers' regex-based copier would mishandle."""
+    relative, absolute = set(), []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.level != 1 or not node.module or "." in node.module:
+                raise ValueError("only `from .module import name` works in a custom_generate copy")
+            relative.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            absolute.append(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            absolute += [alias.name.split(".")[0] for alias in node.names]
+    return relative, absolute
 
 
 def _check_self_contained(files: dict[str, str]) -> None:
-    """Every relative import resolves inside the copy, and nothing imports dart_hf itself."""
+    """Every relative import names a file of the copy, transformers' copier sees the same imports as Python,
+    and nothing imports dart_hf itself."""
     names = {Path(rel).stem for rel in files}
     for rel, text in files.items():
-        if any(name.split(".")[0] == "dart_hf" for name in _absolute_imports(ast.parse(text))):
+        try:
+            relative, absolute = _imports(text)
+        except ValueError as err:
+            raise RuntimeError(f"{rel}: {err}") from err
+        if "dart_hf" in absolute:
             raise RuntimeError(f"{rel} imports dart_hf: the custom_generate copy would need dart_hf installed")
-        missing = set(_TRANSFORMERS_RELATIVE_IMPORT.findall(text)) - names
-        if missing:
-            raise RuntimeError(f"{rel} imports {sorted(missing)}, which are not part of the custom_generate copy")
+        seen = {a or b for a, b in _TRANSFORMERS_RELATIVE_IMPORT.findall(text)}
+        if relative - names or seen != relative:
+            raise RuntimeError(
+                f"{rel} imports {sorted(relative | seen)}; the custom_generate copy has {sorted(names)}"
+            )
 
 
-def custom_generate_sources(head_location: str) -> dict[str, str]:
-    """`custom_generate/*` files (relative path -> source) for a head found at `head_location`.
+def custom_generate_sources() -> dict[str, str]:
+    """`custom_generate/*` files (relative path -> source), generated from the installed dart_hf.
 
-    Generated from the installed dart_hf, never maintained by hand: `custom_generate_entry.py` becomes
-    `generate.py` with `HEAD_LOCATION` filled in, and each dart_hf module it needs is copied verbatim.
+    Every `dart_hf/core/*.py` module is copied whole and verbatim (core modules import each other only as
+    `from .x import y`, which transformers follows), and `dart_hf/integrations/custom_generate.py` becomes
+    `generate.py` with its `from ..core.x import` lines turned into `from .x import`. The same files serve every
+    head: generate.py finds the head from the `custom_generate=` argument it was called with.
     """
-    trees = _vendored_modules()
-    files = {}
-    for name, tree in sorted(trees.items()):
-        text = _vendor(name, tree, set(trees))
-        if name == ENTRY_MODULE:
-            if text.count(_LOCATION_LINE) != 1:
-                raise RuntimeError(f"dart_hf/{ENTRY_MODULE}.py must define {_LOCATION_LINE.strip()!r} exactly once")
-            text = text.replace(_LOCATION_LINE, f"HEAD_LOCATION: str | None = {head_location!r}\n")
-            name = "generate"
-        files[f"{CUSTOM_GENERATE_DIR}/{name}.py"] = text
+    files = {
+        f"{CUSTOM_GENERATE_DIR}/{path.name}": path.read_text(encoding="utf-8")
+        for path in sorted(CORE_DIR.glob("*.py"))
+        if path.name != "__init__.py"  # a package marker: transformers makes its own
+    }
+    entry = _ENTRY_CORE_IMPORT.sub(r"from .\1 import ", ENTRY_FILE.read_text(encoding="utf-8"))
+    header = (
+        f"# Generated from dart_hf/integrations/custom_generate.py (dart_hf {__version__}) by "
+        f"`{REGENERATE_COMMAND}`. Do not edit.\n"
+    )
+    files[f"{CUSTOM_GENERATE_DIR}/generate.py"] = header + entry
     _check_self_contained(files)
     return files
 
 
-def write_custom_generate(folder: str | os.PathLike, head_location: str | None = None) -> list[str]:
-    """Write `<folder>/custom_generate/` so `generate(custom_generate=folder, trust_remote_code=True)` runs DART.
-
-    `head_location` is where generate.py loads the head from: by default this folder's absolute path (local use);
-    `push_head` writes the repo id instead. Returns the written paths, relative to `folder`.
-    """
+def write_custom_generate(folder: str | os.PathLike) -> list[str]:
+    """Write `<folder>/custom_generate/` so `generate(custom_generate=folder, trust_remote_code=True)` runs DART
+    without dart_hf; `.py` files of an older copy that this one no longer has are removed. Returns the written
+    paths, relative to `folder`."""
     folder = Path(folder)
-    location = head_location or str(folder.resolve())
     target = folder / CUSTOM_GENERATE_DIR
     target.mkdir(parents=True, exist_ok=True)
-    files = custom_generate_sources(location)
+    files = custom_generate_sources()
     stale = {p.name for p in target.glob("*.py")} - {Path(rel).name for rel in files}
-    for name in stale:  # modules of an older dart_hf that the new copy no longer needs
+    for name in stale:
         (target / name).unlink()
     for rel, text in files.items():
         (folder / rel).write_text(text, encoding="utf-8")
@@ -165,7 +127,7 @@ def push_file_list(folder: str | os.PathLike) -> list[str]:
         raise ValueError(f"{folder} is not a DART head folder: no {CONFIG_FILE}")
     files = [CONFIG_FILE, *_weight_files(folder)]
     files += [name for name in (NGRAM_FILE, CARD_FILE) if (folder / name).is_file()]
-    return files + sorted(custom_generate_sources("<repo>"))
+    return files + sorted(custom_generate_sources())
 
 
 def push_head(
@@ -178,7 +140,7 @@ def push_head(
     """Upload a head folder to the Hub in one commit; returns the commit URL.
 
     Refuses (ValueError, before any network call) a folder that `DartHead.from_pretrained` would not load, so a
-    broken head never reaches the Hub. The uploaded `custom_generate/generate.py` loads the head from `repo_id`.
+    broken head never reaches the Hub. `custom_generate/` is uploaded freshly generated, whatever the folder holds.
     """
     from ..core.modeling import DartHead
 
@@ -187,7 +149,7 @@ def push_head(
         DartHead.from_pretrained(folder)
     except (ValueError, OSError) as err:
         raise ValueError(f"refusing to push {folder}: it is not a loadable DART head: {err}") from err
-    sources = custom_generate_sources(repo_id)
+    sources = custom_generate_sources()
     operations = [
         CommitOperationAdd(path_in_repo=rel, path_or_fileobj=sources[rel].encode("utf-8"))
         if rel in sources
@@ -225,4 +187,19 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dart_hf.tools.hub <head folder>...`: regenerate the folders' `custom_generate/` copies."""
+    folders = sys.argv[1:] if argv is None else argv
+    if not folders:
+        print(f"usage: {REGENERATE_COMMAND} [<head folder> ...]", file=sys.stderr)
+        return 2
+    for folder in folders:
+        print(f"{folder}: wrote {len(write_custom_generate(folder))} files")
+    return 0
+
+
 __all__ = ["add_cli", "custom_generate_sources", "push_file_list", "push_head", "write_custom_generate"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +28,11 @@ from .train import TrainConfig, train_head
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     features = Path(args.features or out / "features")
-    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    try:
+        target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    except (OSError, ValueError) as err:  # an unknown target name, or a folder that holds no model
+        print(f"dart-hf train: error: {err}", file=sys.stderr)
+        return 2
     if args.num_prompts > 0:
         prompts = sharegpt_training_prompts(args.num_prompts)
         collect_features(target, tokenizer, prompts, features, args.max_new_tokens, args.batch_size)

@@ -1,0 +1,62 @@
+"""dart_hf as users install it: a wheel (not the source tree) carries the shipped head, and the default head of
+`dart-hf demo` / `dart-hf bench` resolves to that installed copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_lists_every_dart_hf_package():
+    """setuptools gets an explicit package list (for the model_cards mapping): a new subpackage must be in it."""
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.relative_to(REPO_ROOT).parts[:-1]) for p in (REPO_ROOT / "dart_hf").rglob("__init__.py")}
+    assert set(config["packages"]) == found | {"dart_hf.model_cards"}
+    assert config["package-dir"] == {"dart_hf.model_cards": "model_cards"}
+
+
+RESOLVE = """
+import json, dart_hf
+from dart_hf.tools.assets import shipped_head
+from dart_hf.tools import demo, bench
+head = shipped_head()
+cfg = dart_hf.DartConfig.from_pretrained(head)
+print(json.dumps({"package": dart_hf.__file__, "head": str(head), "demo": str(demo.DEFAULT_HEAD),
+                  "bench": str(bench.DEFAULT_HEAD), "model_type": cfg.model_type, "has_ngram": cfg.has_ngram,
+                  "files": sorted(p.name for p in head.iterdir())}))
+"""
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_head_and_resolves_it(tmp_path):
+    source = tmp_path / "src"  # a clean copy: an in-tree build/ folder could leak stale files into the wheel
+    ignore = shutil.ignore_patterns(".git", "build", "dist", "runs", "*.egg-info", "__pycache__", ".pytest_cache")
+    shutil.copytree(REPO_ROOT, source, ignore=ignore)
+    wheels, target = tmp_path / "wheels", tmp_path / "installed"
+    build = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
+    proc = subprocess.run(build, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), *wheels.glob("*.whl")]
+    proc = subprocess.run(install, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), *site.getsitepackages()])}
+    proc = subprocess.run([sys.executable, "-c", RESOLVE], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    installed_head = target / "dart_hf" / "model_cards" / "smollm2-135m-instruct-dart"
+    assert got["package"] == str(target / "dart_hf" / "__init__.py")  # the wheel, not the source tree
+    assert got["head"] == got["demo"] == got["bench"] == str(installed_head)
+    assert got["model_type"] == "dart" and got["has_ngram"] is True
+    assert {"config.json", "model.safetensors", "ngram.safetensors", "custom_generate"} <= set(got["files"])
+    assert (target / "dart_hf_cli.py").is_file()
