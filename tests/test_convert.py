@@ -242,6 +242,7 @@ def test_config_mapping(tmp_path, target_cfg):
     assert c.aux_layer_ids == [2, 3, 3]  # [2, L // 2, L - 3] for the 6-layer tiny target
     assert (c.target_num_layers, c.target_model_type, c.vocab_size) == (6, "qwen3", VOCAB)
     assert c.head_dim == 16 and c.rope_parameters["rope_theta"] == 1_000_000.0
+    assert c.prompt_lookup is False  # the reference tree has no lookup candidates
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["config.json", "custom_generate", "model.safetensors"]
 
@@ -390,8 +391,8 @@ def test_foreign_and_dart_configs(tmp_path, qwen3, target_cfg):
     sd = reference_state_dict(reference_config())
     _expect_error(tmp_path, target_cfg, "not a reference DART config.*draft_length", cfg=qwen3.config.to_dict(), sd=sd)
     _expect_error(tmp_path, target_cfg, "already a dart_hf head", cfg=reference_config(model_type="dart"))
-    yarn = reference_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    _expect_error(tmp_path, target_cfg, "rope_scaling", cfg=yarn)
+    mrope = reference_config(rope_scaling={"rope_type": "mrope", "mrope_section": [2, 3, 3]})
+    _expect_error(tmp_path, target_cfg, "rope_scaling type 'mrope' is not supported", cfg=mrope)
 
 
 def test_inconsistent_vocab_map(tmp_path, target_cfg):

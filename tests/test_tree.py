@@ -7,18 +7,19 @@ import math
 import torch
 
 from dart_hf import NGramModel
-from dart_hf.core.tree import LOG_EPS, MIN_DECREMENT, TreeSearchParams, ancestor_mask, build_tree
+from dart_hf.core.tree import LOG_EPS, TreeSearchParams, ancestor_mask, build_tree
 
 
 def reference_pool(logits, root, context, p: TreeSearchParams, ngram=None, eos=(), lookup=()):
-    """Spec section 3, one candidate at a time: returns {path tuple: score} of every scored node. `lookup`: the
-    prompt-lookup continuation (a list of tokens), offered to the beam that holds its first d tokens."""
+    """docs/DART_SPEC.md §3, one candidate at a time: returns {path tuple: score} of every scored node, in pool
+    order. `lookup`: the prompt-lookup continuation (a list of tokens), offered to the beam that holds its first d
+    tokens. (tests/test_reference_fidelity.py holds build_tree against a port of the reference code itself.)"""
     k = min(p.top_k, logits.shape[1])
     beams = [((), 0.0)]
     pool = {}
     for d in range(logits.shape[0]):
         top, ids = logits[d].topk(k)
-        logp = torch.log_softmax(top, -1)
+        logp = torch.log(torch.softmax(top, -1) + LOG_EPS)
         cands = []
         for path, score in beams:
             proposals = {}
@@ -33,11 +34,11 @@ def reference_pool(logits, root, context, p: TreeSearchParams, ngram=None, eos=(
                 x = lookup[d]
                 proposals[x] = max(proposals.get(x, -math.inf), p.logit_decay**d * p.lookup_logp)
             for x, incr in proposals.items():
-                incr = min((d + 1) ** -p.level_decay * incr, -MIN_DECREMENT)
+                incr = (d + 1) ** -p.level_decay * incr
                 pool[path + (x,)] = score + incr
                 cands.append((path + (x,), score + incr))
-        live = sorted((c for c in cands if c[0][-1] not in eos), key=lambda c: -c[1])
-        beams = live[: p.beam_width]
+        ranked = sorted(cands, key=lambda c: (c[0][-1] in eos, -c[1]))  # drafts ending in EOS after all others
+        beams = ranked[: p.beam_width]
     return pool
 
 
@@ -101,8 +102,9 @@ def test_a_small_budget_tree_is_the_top_of_the_full_search():
     logits = torch.randn(8, 40) * 2
     logits[:, 20] = -100.0
     logits[:, 20] = logits.topk(9, dim=1).values[:, -1] - 0.01  # the head ranks 20 tenth, last of its top-10...
-    # ... but in the corpus 20 follows every other token, so rescoring promotes it above the head's picks
-    corpus = torch.stack([torch.randint(0, 20, (2000,)), torch.full((2000,), 20)], 1).view(-1).tolist()
+    # ... but in the corpus 20 follows every other token, so rescoring promotes it above the head's picks (every
+    # token must occur in the corpus: a context never seen gives probability 0, there is no unigram level)
+    corpus = torch.stack([torch.randint(0, 40, (2000,)), torch.full((2000,), 20)], 1).view(-1).tolist()
     ngram = NGramModel.build([corpus], order=3, vocab_size=40, progress=False)
     wide = TreeSearchParams(top_k=10, beam_width=8, node_budget=12)
     pool = reference_pool(logits, 7, [5, 7], wide, ngram)

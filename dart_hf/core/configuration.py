@@ -36,14 +36,24 @@ class DartConfig(PreTrainedConfig):
     final_norm_repeats (`int`, defaults to 1):
         How many times `norm` is applied before `lm_head`. Reference checkpoints were trained with 2.
     tree_top_k / beam_width / node_budget / level_decay / logit_decay / ngram_weight:
-        Tree search defaults (docs/DART_SPEC.md §3): per-depth top-k, beam width, number of draft nodes verified
-        per step (root excluded), `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`,
-        weight of the n-gram log-probability. `node_budget=None` lets the decoder pick the budget from a
-        measured verify-cost curve (see `dart_hf.core.budget`).
+        Tree search settings (docs/DART_SPEC.md §3); the defaults are the reference release's values and this class
+        is the one place they are stated (`dart_hf.core.tree.TreeSearchParams` and the converter read them here):
+        per-depth top-k, beam width, number of draft nodes verified per step (root excluded),
+        `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`, weight (>= 0) of the n-gram
+        log-probability. `node_budget=None` lets the decoder pick the budget from a measured verify-cost curve (see
+        `dart_hf.core.budget`).
+    has_ngram (`bool`, defaults to False):
+        Set by `save_pretrained`: the head was saved with `ngram.safetensors` beside it, so loading refuses a copy
+        of the folder without that file (rather than silently drafting without n-gram rescoring).
     prompt_lookup / lookup_min_ngram / lookup_max_ngram / lookup_logp:
         Offer the continuation of the latest earlier occurrence of the text's last n-gram (n from
         `lookup_max_ngram` down to `lookup_min_ngram`) as one more beam-search candidate per depth, scored as if the
-        head gave it log-probability `lookup_logp` (see `dart_hf.core.prompt_lookup`; beyond the reference).
+        head gave it log-probability `lookup_logp` (see `dart_hf.core.prompt_lookup`; beyond the reference, so a
+        converted reference head has `prompt_lookup=False`).
+    rope_parameters (`dict`, *optional*):
+        transformers' RoPE parameters. `"dynamic"` follows the reference head rather than transformers: the
+        frequencies are those of a sequence of max(max_position_embeddings + 20, positions seen) tokens, i.e. scaled
+        from the first token on (see `dart_hf.core.modeling.DartRotaryEmbedding`).
     """
 
     model_type = "dart"
@@ -107,6 +117,8 @@ class DartConfig(PreTrainedConfig):
         if self.tree_top_k < 1 or self.beam_width < 1:
             raise ValueError("tree_top_k and beam_width must be >= 1")
         if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
+        if self.ngram_weight < 0:
+            raise ValueError(f"ngram_weight must be >= 0 (0 turns the n-gram term off), got {self.ngram_weight}")
             raise ValueError(
                 f"need 1 <= lookup_min_ngram <= lookup_max_ngram, got {self.lookup_min_ngram}, {self.lookup_max_ngram}"
             )

@@ -33,6 +33,32 @@ from .ngram import NGramModel
 
 class DartAttention(nn.Module):
     """GQA attention whose q/k/v read the 2*hidden concatenation of token embedding and fused target state."""
+class DartRotaryEmbedding(LlamaRotaryEmbedding):
+    """transformers' rotary embedding (default, linear, llama3, yarn, ... from `config.rope_parameters`), except
+    `"dynamic"`, which follows the reference head (`LlamaDynamicNTKScalingRotaryEmbedding` of the DART release).
+
+    The reference builds its cos/sin cache at init for max_position_embeddings + 20 positions and rebuilds it for
+    a longer sequence, with the dynamic-NTK base of that cache length L: base * (factor * L / max_pos -
+    (factor - 1)) ** (dim / (dim - 2)). So its frequencies are scaled from the first token on, whereas
+    transformers scales only past max_position_embeddings. Here L = max(max_pos + 20, largest position + 1),
+    computed on the device (no host sync); the reference also keeps a longer L across later, shorter calls.
+    The other types agree with the reference (tests/test_reference_fidelity.py compares them).
+    """
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        if self.rope_type != "dynamic":
+            return super().forward(x, position_ids)
+        params, max_pos = self.config.rope_parameters, self.config.max_position_embeddings
+        factor, dim = float(params["factor"]), 2 * self.inv_freq.numel()
+        length = (position_ids.max() + 1).clamp(min=max_pos + 20).double()
+        base = params["rope_theta"] * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim
+        inv_freq = 1.0 / base.float() ** exponents
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
 
     def __init__(self, config: DartConfig):
         super().__init__()
@@ -158,7 +184,7 @@ class DartHead(DartPreTrainedModel):
         self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
         self.midlayer = DartMidLayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rotary_emb = DartRotaryEmbedding(config)
         if config.uses_target_lm_head:
             self.lm_head = None
         else:

@@ -16,14 +16,19 @@ Config mapping (reference -> DartConfig), stated here because two of them are ea
 - `final_norm_repeats = 2`: the reference applies `norm` at the end of `forward` and again in `compute_logits`.
 - `aux_layer_ids = [2, L // 2, L - 3]`, `target_num_layers = L`, `target_model_type` and `vocab_size` come from the
   target (`target_config`: a config.json, or a built-in Qwen3 shape; they are not in the reference config).
-- `rope_theta` -> `rope_parameters = {"rope_type": "default", "rope_theta": ...}`; `head_dim` defaults to
-  `hidden_size // num_attention_heads` as in the reference attention; biases are off (the reference has none).
+- `rope_theta` / `rope_scaling` -> `rope_parameters` as the reference attention builds its rotary embedding
+  (`reference_rope_parameters`); `head_dim` defaults to `hidden_size // num_attention_heads` as in the reference
+  attention; biases are off (the reference has none).
+- `prompt_lookup = False`: the reference tree has no prompt-lookup candidates, so a converted head drafts exactly
+  the reference's trees unless the user turns that extra on. The other tree-search fields keep DartConfig's
+  defaults, which are the reference's values.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import sys
@@ -182,11 +187,67 @@ def read_reference_config(src_dir: Path) -> dict:
         )
     if cfg.get("model_type", "llama") != "llama":
         raise ValueError(f"{path}: reference DART heads are Llama-style, got model_type={cfg['model_type']!r}")
-    if cfg.get("rope_scaling"):
-        raise ValueError(f"{path}: rope_scaling={cfg['rope_scaling']!r} is not supported (the Qwen3 release has none)")
+    reference_rope_parameters(cfg, path)  # an unsupported rope_scaling is refused before anything is written
     if cfg["draft_vocab_size"] is None:
         raise ValueError(f"{path}: draft_vocab_size is null; reference heads always have their own lm_head")
     return cfg
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def reference_rope_parameters(reference: dict, path: Path | str = CONFIG_FILE) -> dict:
+    """transformers `rope_parameters` that give the rotary embedding the reference attention builds (`_init_rope`).
+
+    The reference's linear, dynamic and yarn embeddings are constructed without `rope_theta`, so their base is
+    10000 whatever the config says; the weights were trained with that, so it is kept. llama3 without
+    low/high_freq_factor or original_max_position_embeddings is plain RoPE there. yarn's cos/sin factor is always
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) there, passed as `attention_factor`. "dynamic" is
+    DartConfig's reference variant (see `DartRotaryEmbedding`).
+    """
+    theta = float(reference.get("rope_theta", 10000.0))
+    rope = reference.get("rope_scaling")
+    if not rope:
+        return {"rope_type": "default", "rope_theta": theta}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{path}: rope_scaling must be an object, got {rope!r}")
+    kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if kind in ("linear", "dynamic", "yarn") and factor is None:
+        raise ValueError(f"{path}: rope_scaling of type {kind!r} needs 'factor'")
+    if kind in ("linear", "dynamic"):
+        return {"rope_type": kind, "rope_theta": 10000.0, "factor": float(factor)}
+    if kind == "llama3":
+        fields = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if any(rope.get(f) is None for f in fields):
+            return {"rope_type": "default", "rope_theta": theta}
+        return {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": float(factor if factor is not None else 1.0),
+            "low_freq_factor": float(rope["low_freq_factor"]),
+            "high_freq_factor": float(rope["high_freq_factor"]),
+            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        }
+    if kind == "yarn":
+        fields = ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+        missing = [f for f in fields if rope.get(f) is None]
+        if missing:
+            raise ValueError(f"{path}: yarn rope_scaling without {missing} (the reference head cannot run without them)")
+        factor = float(factor)
+        return {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": factor,
+            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+            "beta_fast": float(rope["beta_fast"]),
+            "beta_slow": float(rope["beta_slow"]),
+            "attention_factor": _yarn_mscale(factor, rope["mscale"]) / _yarn_mscale(factor, rope["mscale_all_dim"]),
+        }
+    raise ValueError(
+        f"{path}: rope_scaling type {kind!r} is not supported (the reference head supports linear, dynamic, llama3, "
+        "yarn; mrope is for multimodal targets)"
+    )
 
 
 def dart_config_from_reference(reference: dict, target: TargetShape) -> DartConfig:
@@ -206,7 +267,7 @@ def dart_config_from_reference(reference: dict, target: TargetShape) -> DartConf
         head_dim=reference.get("head_dim") or reference["hidden_size"] // heads,
         hidden_act=reference.get("hidden_act", "silu"),
         rms_norm_eps=float(reference.get("rms_norm_eps", 1e-6)),
-        rope_parameters={"rope_type": "default", "rope_theta": float(reference.get("rope_theta", 10000.0))},
+        rope_parameters=reference_rope_parameters(reference),
         max_position_embeddings=reference.get("max_position_embeddings", 2048),
         attention_bias=False,
         vocab_size=reference["vocab_size"],
@@ -217,6 +278,7 @@ def dart_config_from_reference(reference: dict, target: TargetShape) -> DartConf
         target_model_type=target.model_type,
         aux_layer_ids=default_aux_layer_ids(layers),
         final_norm_repeats=2,
+        prompt_lookup=False,
     )
 
 
@@ -412,9 +474,9 @@ def read_trie(path: str | os.PathLike, vocab_size: int | None = None, progress: 
     43 GB) needs a machine with ~80 GB of RAM and roughly half an hour: convert it once and ship
     `ngram.safetensors`.
 
-    Probabilities follow dart_hf's back-off rule, whose context total is the sum of the context's continuations
-    (`NGramModel.from_counts`); the reference divides by the context node's own count, which differs only for
-    contexts that also occur at the very end of a document.
+    Every node's freq becomes its n-gram's count, which is what the reference lookup reads (a context's count is
+    its own node's freq, docs/DART_SPEC.md §5), so probabilities equal the reference's. Nodes with freq 0 (left by
+    the reference's `reduce`) are kept: there a candidate found under such a node stops the back-off with 0.
     `vocab_size` is the target's vocabulary (default: largest token id + 1); token ids must lie below it.
     """
     path = Path(path)
@@ -438,7 +500,7 @@ def read_trie(path: str | os.PathLike, vocab_size: int | None = None, progress: 
     freqs = nodes["freq"][1:]
     tables = {}
     for m in range(1, order + 1):
-        sel = (lengths == m) & (freqs > 0)  # zero-count nodes carry no evidence
+        sel = lengths == m
         k = keys[sel]
         sort = np.argsort(k)
         k, c = k[sort], freqs[sel][sort].astype(np.int64)
@@ -554,5 +616,6 @@ __all__ = [
     "read_reference_config",
     "read_reference_weights",
     "read_trie",
+    "reference_rope_parameters",
     "resolve_target",
 ]
