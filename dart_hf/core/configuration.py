@@ -42,9 +42,6 @@ class DartConfig(PreTrainedConfig):
         `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`, weight (>= 0) of the n-gram
         log-probability. `node_budget=None` lets the decoder pick the budget from a measured verify-cost curve (see
         `dart_hf.core.budget`).
-    has_ngram (`bool`, defaults to False):
-        Set by `save_pretrained`: the head was saved with `ngram.safetensors` beside it, so loading refuses a copy
-        of the folder without that file (rather than silently drafting without n-gram rescoring).
     prompt_lookup / lookup_min_ngram / lookup_max_ngram / lookup_logp:
         Offer the continuation of the latest earlier occurrence of the text's last n-gram (n from
         `lookup_max_ngram` down to `lookup_min_ngram`) as one more beam-search candidate per depth, scored as if the
@@ -116,9 +113,9 @@ class DartConfig(PreTrainedConfig):
             raise ValueError(f"node_budget must be >= 1 or None (cost-aware), got {self.node_budget}")
         if self.tree_top_k < 1 or self.beam_width < 1:
             raise ValueError("tree_top_k and beam_width must be >= 1")
-        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
         if self.ngram_weight < 0:
             raise ValueError(f"ngram_weight must be >= 0 (0 turns the n-gram term off), got {self.ngram_weight}")
+        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
             raise ValueError(
                 f"need 1 <= lookup_min_ngram <= lookup_max_ngram, got {self.lookup_min_ngram}, {self.lookup_max_ngram}"
             )

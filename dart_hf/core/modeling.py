@@ -31,8 +31,6 @@ from .ngram import FILE_NAME as NGRAM_FILE
 from .ngram import NGramModel
 
 
-class DartAttention(nn.Module):
-    """GQA attention whose q/k/v read the 2*hidden concatenation of token embedding and fused target state."""
 class DartRotaryEmbedding(LlamaRotaryEmbedding):
     """transformers' rotary embedding (default, linear, llama3, yarn, ... from `config.rope_parameters`), except
     `"dynamic"`, which follows the reference head (`LlamaDynamicNTKScalingRotaryEmbedding` of the DART release).
@@ -59,6 +57,8 @@ class DartRotaryEmbedding(LlamaRotaryEmbedding):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
+class DartAttention(nn.Module):
+    """GQA attention whose q/k/v read the 2*hidden concatenation of token embedding and fused target state."""
 
     def __init__(self, config: DartConfig):
         super().__init__()
