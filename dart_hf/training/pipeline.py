@@ -1,8 +1,14 @@
-"""`dart-hf train`: target -> regenerated answers + captured features -> trained head -> n-gram -> evaluation.
+"""`dart-hf train`: target -> regenerated answers -> trained head -> n-gram -> evaluation.
+
+Two data paths. With `--corpus DIR` (a token-id corpus grown by `dart-hf regenerate`), the target's features
+and next-token distribution are computed online per batch and the loss is KL by default: the corpus can grow
+without bound and be shared. Without it, answers are regenerated with their features captured into shards
+(`<out>/features`, cross-entropy only): the small CPU recipe.
 
 Every stage resumes: feature shards per batch, the trainer from `out/checkpoint/`, and stages whose output
 exists are skipped, so the same command can be rerun after a kill. Runs on a CPU (the default sizes fit a
-2-core machine in about an hour) and unchanged on CUDA (`--device cuda`).
+2-core machine in about an hour), unchanged on CUDA (`--device cuda`), and data-parallel under
+`accelerate launch` (see README "Training a head at scale").
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from ..core.ngram import FILE_NAME as NGRAM_FILE
 from ..core.ngram import NGramModel
 from .data import sharegpt_training_prompts
 from .features import collect_features
-from .ngram_corpus import build_ngram
+from .corpus import load_corpus
+from .ngram_corpus import build_ngram, corpus_sequences
 from .train import TrainConfig, train_head
 
 
@@ -33,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:  # an unknown target name, or a folder that holds no model
         print(f"dart-hf train: error: {err}", file=sys.stderr)
         return 2
-    if args.num_prompts > 0:
+    if args.corpus:
+        features = Path(args.corpus)  # a token corpus: features online
+    elif args.num_prompts > 0:
         prompts = sharegpt_training_prompts(args.num_prompts)
         collect_features(target, tokenizer, prompts, features, args.max_new_tokens, args.batch_size)
     eos = target.generation_config.eos_token_id
@@ -44,13 +53,16 @@ def run(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         lr=args.lr,
         anchors_per_sequence=args.anchors,
+        loss=args.loss or ("kl" if args.corpus else "ce"),
+        batch_size=args.train_batch_size,
+        grad_accum=args.grad_accum,
     )
     if not (out / NGRAM_FILE).exists():
         out.mkdir(parents=True, exist_ok=True)
-        build_ngram(tokenizer, target.config.vocab_size, features, min_count=args.ngram_min_count).save(out / NGRAM_FILE)
+        _ngram(tokenizer, target.config.vocab_size, args, features).save(out / NGRAM_FILE)
     ngram = NGramModel.load(out / NGRAM_FILE)
     if args.device == "cpu":
-        target = target.float()  # evaluate as users run it on CPU (training itself reads only the features)
+        target = target.float()  # train online and evaluate as users run it on CPU (bf16 matmuls are slow there)
     if (out / "model.safetensors").exists() and not (out / "checkpoint").exists():
         head = DartHead.from_pretrained(out)
     else:
@@ -68,6 +80,16 @@ def run(args: argparse.Namespace) -> int:
         for ds, r in report.items():
             print(f"{ds}: mean accepted length {r['mean_accepted_length']:.2f} (lossless: {r['lossless']})")
     return 0
+
+
+def _ngram(tokenizer, vocab_size: int, args: argparse.Namespace, data: Path) -> NGramModel:
+    """The head's n-gram table: ShareGPT text plus the regenerated answers (shards or token corpus), the
+    latter twice, as `build_ngram` weighs them."""
+    if not args.corpus:
+        return build_ngram(tokenizer, vocab_size, data, min_count=args.ngram_min_count)
+    answers = [s.ids[s.prompt_length :].tolist() for s in load_corpus(data)]
+    return NGramModel.build(corpus_sequences(tokenizer) + answers * 2, order=3, vocab_size=vocab_size,
+                            eos_token_id=tokenizer.eos_token_id, min_count=args.ngram_min_count)
 
 
 def _curve_evaluator(target, tokenizer, ngram: NGramModel, args: argparse.Namespace):
@@ -93,6 +115,13 @@ def add_cli(subparsers) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
     p.add_argument("--out", required=True, help="head folder (checkpoints and features go inside)")
     p.add_argument("--features", default=None, help="feature shard folder (default: <out>/features)")
+    p.add_argument("--corpus", default=None,
+                   help="train on this token corpus (`dart-hf regenerate`) with online target features instead of "
+                        "regenerating into feature shards (--num-prompts is then unused)")
+    p.add_argument("--loss", choices=("kl", "ce"), default=None,
+                   help="KL to the target distribution (default with --corpus) or CE on its argmax (feature shards)")
+    p.add_argument("--train-batch-size", type=int, default=4, help="sequences per forward and process")
+    p.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
     p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=24)

@@ -1,9 +1,31 @@
-"""Training a DART head on captured target features (docs/DART_SPEC.md §2, sized for a CPU or one GPU).
+"""Training a DART head (docs/DART_SPEC.md §2), on one CPU or GPU or data-parallel under `accelerate launch`.
 
-Each step takes one sequence, picks `anchors_per_sequence` anchor positions in its response, and runs the
-packed-anchor forward (`DartHead.forward`): every anchor's K MASK slots see only that anchor's prefix, so
-one pass trains all anchors. Loss: cross-entropy of depth d's prediction against the target's greedy token
-at that depth, weighted gamma^d (gamma = 0.6, the paper's best), averaged over labels in the draft vocab.
+Data: a token-id corpus (`dart_hf.training.corpus`, the scalable path) or feature shards captured during
+regeneration (`dart_hf.training.features`, the older path: features on disk, cross-entropy only). For a
+token corpus the target's features are computed online: one no-grad target forward per batch gives the
+inputs of the `aux_layer_ids` layers (the head's inputs) and the target's final states, from which its
+full next-token distribution is taken at the positions the head predicts.
+
+Each micro-batch holds `batch_size` sequences (right-padded; every attention involved is causal, so the
+padding never reaches a real row). In each sequence `anchors_per_sequence` anchor positions of the response
+are drawn, and the packed-anchor forward (`DartHead.forward`) trains them all in one pass: every anchor's
+K MASK slots see only that anchor's prefix. Anchors are drawn from a seed of the sequence's place in the
+shuffled order, so they do not depend on how batches are spread over processes.
+
+Loss, weighted gamma^d over depths d (gamma = 0.6, docs/DART_SPEC.md §2):
+  "kl": KL(target || head) of the target's full next-token distribution at every predicted depth.
+  "ce": cross-entropy against the target's argmax token (the stored response token for feature shards).
+With a reduced draft vocabulary S the target distribution p is renormalised over S and each position's KL is
+weighted by p(S). Why: the head can only ever propose tokens of S, and for any draft distribution q on S the
+chance that sampling verification accepts is sum_S min(p, q) <= p(S), with equality at q = p / p(S); so the
+renormalised target is exactly the best the head can do, greedy acceptance (argmax p in S) keeps its argmax,
+and p(S) is how much acceptance is at stake at that position. The mass outside S gets no term of its own:
+no draft over S can win it, and a separate "other" output would change the head's file format.
+
+Data parallel: the loop runs through `accelerate.Accelerator` (prepared head, optimizer and data loader),
+so `accelerate launch --num_processes N -m ...` trains on N devices unchanged: each process takes its own
+`batch_size` sequences, gradients are averaged, and the loss is normalised by the weight summed over all
+processes, so N processes match one process on the same global batch.
 
 Warm start: the draft vocabulary is the most frequent response tokens (EOS always in), `lm_head` rows are
 copied from the target's lm_head and `norm` from the target's final norm, so the head starts in the
@@ -22,19 +44,24 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..core.modeling import DartHead
-from .features import Example, iter_examples
+from ..core.target import AuxHiddenCapture
+from .corpus import CORPUS_FILE, Sequence, load_corpus
+from .features import SHARD_GLOB, Example, iter_examples
 
 IGNORE = -100
+LOSSES = ("kl", "ce")
 
 
 @dataclass
@@ -43,18 +70,31 @@ class TrainConfig:
     draft_vocab_size: int | None = 8192  # None: tie to the target lm_head (full vocab)
     anchors_per_sequence: int = 48
     gamma: float = 0.6
+    loss: str = "kl"  # "kl" (target distribution, token corpus only) or "ce" (target argmax)
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 50
     epochs: float = 2.0
-    grad_accum: int = 4
+    batch_size: int = 8  # sequences per forward and process
+    grad_accum: int = 1  # forwards per optimizer step
     max_grad_norm: float = 1.0
     seed: int = 0
     log_every: int = 20
     save_every: int = 200
-    
 
-def choose_draft_vocab(examples: list[Example], size: int, always: list[int]) -> torch.Tensor:
+
+def load_training_data(folder: str | Path) -> list[Sequence | Example]:
+    """A token corpus (`corpus.jsonl`: features computed online) or feature shards (features stored)."""
+    folder = Path(folder)
+    if (folder / CORPUS_FILE).exists():
+        return load_corpus(folder)
+    if any(folder.glob(SHARD_GLOB)):
+        return list(iter_examples(folder))
+    raise FileNotFoundError(f"{folder} holds neither a token corpus ({CORPUS_FILE}, `dart-hf regenerate`) "
+                            f"nor feature shards ({SHARD_GLOB})")
+
+
+def choose_draft_vocab(examples: SequenceOf[Sequence | Example], size: int, always: list[int]) -> torch.Tensor:
     """The `size` most frequent response tokens (plus `always`, e.g. EOS), as sorted target ids."""
     counts = torch.zeros(int(max(int(e.ids.max()) for e in examples)) + 1, dtype=torch.long)
     for e in examples:
@@ -63,7 +103,8 @@ def choose_draft_vocab(examples: list[Example], size: int, always: list[int]) ->
     return counts.topk(min(size, int((counts > 0).sum()))).indices.sort().values
 
 
-def new_head(target: PreTrainedModel, examples: list[Example], cfg: TrainConfig, eos_ids: list[int]) -> DartHead:
+def new_head(target: PreTrainedModel, examples: SequenceOf[Sequence | Example], cfg: TrainConfig,
+             eos_ids: list[int]) -> DartHead:
     """A head warm-started in the target's output space (see module docstring)."""
     vocab = None
     if cfg.draft_vocab_size is not None:
@@ -87,40 +128,99 @@ def target_to_draft(head: DartHead) -> torch.Tensor | None:
     return to_draft
 
 
-def anchor_batch(
-    example: Example, head: DartHead, n_anchors: int, rng: random.Random, to_draft: torch.Tensor | None = None
-):
-    """(aux [1,T-1,3H], next_tokens [1,T-1], anchors [1,A], draft labels [1,A,K+1]) for one sequence, or None.
-    `to_draft` is `target_to_draft(head)`, built once per run (labels stay target ids when it is None).
-
-    Anchor a pairs state h_a with token a+1 and its depth-d row predicts token a+2+d; anchors start where the
-    response labels start (a + 2 >= prompt length) and end where depth 0 still has a label.
-    """
-    ids, t = example.ids, example.ids.numel()
-    first, last = max(example.prompt_length - 2, 0), t - 3
+def anchor_positions(example: Sequence | Example, n_anchors: int, rng: random.Random) -> list[int]:
+    """Sorted anchors of one sequence: anchor a pairs state h_a with token a+1 and its depth-d row predicts
+    token a+2+d, so anchors start where the response labels start (a + 2 >= prompt length) and end where
+    depth 0 still has a label. Empty when the response is too short."""
+    first, last = max(example.prompt_length - 2, 0), example.ids.numel() - 3
     if last < first:
-        return None
-    positions = list(range(first, last + 1))
-    anchors = torch.tensor(sorted(rng.sample(positions, min(n_anchors, len(positions)))))
-    depth = torch.arange(head.config.num_predictions)
-    label_pos = anchors.unsqueeze(1) + 2 + depth
-    labels = torch.where(label_pos < t, ids[label_pos.clamp(max=t - 1)], IGNORE)
-    if to_draft is not None:  # tokens outside the draft vocab are ignored
-        labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], IGNORE)
-    return example.aux.unsqueeze(0), ids[1:].unsqueeze(0), anchors.unsqueeze(0), labels.unsqueeze(0)
+        return []
+    return sorted(rng.sample(range(first, last + 1), min(n_anchors, last + 1 - first)))
 
 
-def depth_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float):
-    """(loss, per-depth correct counts, per-depth label counts)."""
-    k1 = logits.shape[-2]
-    weights = gamma ** torch.arange(k1, dtype=torch.float32, device=logits.device)
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE,
-                         reduction="none").view(labels.shape)
-    valid = labels != IGNORE
-    w = weights * valid
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    correct = ((logits.argmax(-1) == labels) & valid).sum(dim=(0, 1))
-    return loss, correct, valid.sum(dim=(0, 1))
+class AnchorCollator:
+    """Data loader items are places in the shuffled order; a batch is the padded sequences at those places.
+
+    Returns ids [B, T] (right-padded with 0), lengths [B], anchors [B, A] and anchor_valid [B, A] (rows with
+    fewer than A anchors repeat their first one, marked invalid), plus aux [B, T-1, 3H] for stored features."""
+
+    def __init__(self, data: SequenceOf[Sequence | Example], order: list[int], n_anchors: int, seed: int):
+        self.data, self.order, self.n_anchors, self.seed = data, order, n_anchors, seed
+
+    def __call__(self, places: list[int]) -> dict[str, torch.Tensor]:
+        seqs = [self.data[self.order[p]] for p in places]
+        anchors = [anchor_positions(s, self.n_anchors, random.Random(self.seed * 1_000_003 + p))
+                   for s, p in zip(seqs, places)]
+        width, a = max(s.ids.numel() for s in seqs), max(len(x) for x in anchors)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, : s.ids.numel()] = s.ids
+        batch = {
+            "ids": ids,
+            "lengths": torch.tensor([s.ids.numel() for s in seqs]),
+            "anchors": torch.tensor([x + [x[0]] * (a - len(x)) for x in anchors]),
+            "anchor_valid": torch.tensor([[True] * len(x) + [False] * (a - len(x)) for x in anchors]),
+            "response_tokens": torch.tensor(sum(s.ids.numel() - s.prompt_length for s in seqs)),
+        }
+        if isinstance(seqs[0], Example):
+            aux = torch.zeros(len(seqs), width - 1, seqs[0].aux.shape[-1], dtype=seqs[0].aux.dtype)
+            for row, s in enumerate(seqs):
+                aux[row, : s.aux.shape[0]] = s.aux
+            batch["aux"] = aux
+        return batch
+
+
+@torch.no_grad()
+def target_features(target: PreTrainedModel, layer_ids: list[int], ids: torch.Tensor, lengths: torch.Tensor):
+    """(aux [B, T-1, 3H], final states [B, T-1, H]) of one no-grad target forward over ids[:, :-1]; the last
+    token is never fed (nothing after it to predict)."""
+    inputs = ids[:, :-1]
+    mask = (torch.arange(inputs.shape[1], device=ids.device) < (lengths - 1).unsqueeze(1)).long()
+    with AuxHiddenCapture(target, layer_ids) as capture:
+        final = target.get_decoder()(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
+        aux = capture.take()
+    return aux, final
+
+
+def target_logits(target: PreTrainedModel, states: torch.Tensor) -> torch.Tensor:
+    """The target's next-token logits from its final states (with Gemma-style final soft-capping)."""
+    logits = target.get_output_embeddings()(states).float()
+    cap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def kl_terms(head_logits: torch.Tensor, teacher_logits: torch.Tensor, draft_to_target: torch.Tensor | None):
+    """(KL(p_S || q) per row, p(S) per row): p is the target distribution (teacher logits over the target vocab),
+    renormalised over the draft vocab S (`draft_to_target`, None: S is the whole vocab); q the head's."""
+    log_p = teacher_logits.float().log_softmax(-1)
+    if draft_to_target is not None:
+        log_p = log_p[..., draft_to_target]
+    log_mass = log_p.logsumexp(-1, keepdim=True)
+    kl = F.kl_div(head_logits.float().log_softmax(-1), log_p - log_mass, reduction="none", log_target=True).sum(-1)
+    return kl, log_mass.squeeze(-1).exp()
+
+
+def depth_weights(shape: torch.Size, gamma: float, device) -> torch.Tensor:
+    return gamma ** torch.arange(shape[-1], dtype=torch.float32, device=device)
+
+
+def batch_loss(
+    loss: str, head_logits: torch.Tensor, valid: torch.Tensor, labels: torch.Tensor, gamma: float,
+    teacher_logits: torch.Tensor | None = None, draft_to_target: torch.Tensor | None = None,
+):
+    """(weighted loss sum, weight sum) over rows [B, A, K+1]; the loss is their ratio (summed over processes).
+
+    `valid`: rows with a target position; `labels`: the target's argmax in draft ids (IGNORE outside S)."""
+    w = depth_weights(valid.shape, gamma, head_logits.device)
+    if loss == "kl":
+        kl, mass = kl_terms(head_logits, teacher_logits, draft_to_target)
+        weight = w * valid
+        return (kl * mass * weight).sum(), weight.sum()
+    labelled = labels != IGNORE
+    ce = F.cross_entropy(head_logits.reshape(-1, head_logits.shape[-1]).float(), labels.reshape(-1),
+                         ignore_index=IGNORE, reduction="none").view(labels.shape)
+    weight = w * labelled
+    return (ce * weight).sum(), weight.sum()
 
 
 def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -130,94 +230,156 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def _training_order(n: int, cfg: TrainConfig, global_batch: int) -> list[int]:
+    """Sequence indices for every epoch (a fresh shuffle each), cut to whole optimizer steps."""
+    rng = random.Random(cfg.seed)
+    order = [i for _ in range(math.ceil(cfg.epochs)) for i in rng.sample(range(n), n)]
+    per_step = global_batch * cfg.grad_accum
+    return order[: int(cfg.epochs * n) // per_step * per_step]
+
+
 def train_head(
     target: PreTrainedModel,
-    feature_dir: str | Path,
+    data_dir: str | Path,
     out_dir: str | Path,
     cfg: TrainConfig | None = None,
     eos_ids: list[int] | None = None,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     evaluate: Callable[[DartHead], dict[str, float]] | None = None,
     eval_every: int = 0,
 ) -> DartHead:
-    """Train (or resume training) a head on the shards in `feature_dir`; saves the head to `out_dir`.
+    """Train (or resume training) a head on `data_dir` (token corpus or feature shards); saves it to `out_dir`.
 
-    `evaluate(head) -> {data set: mean accepted length}` is called with the head in eval mode under no_grad
-    at step 0, every `eval_every` steps and at the end (see module docstring)."""
+    `device="cpu"` forces the CPU; otherwise accelerate picks this process's device. `evaluate(head) ->
+    {data set: mean accepted length}` runs on the main process with the head in eval mode under no_grad at
+    step 0, every `eval_every` steps and at the end (see module docstring)."""
     cfg = cfg or TrainConfig()
+    if cfg.loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {cfg.loss!r}")
+    accelerator = Accelerator(cpu=str(device) == "cpu", gradient_accumulation_steps=cfg.grad_accum)
     out, ckpt = Path(out_dir), Path(out_dir) / "checkpoint"
-    examples = list(iter_examples(feature_dir))
+    data = [e for e in load_training_data(data_dir) if anchor_positions(e, 1, random.Random(0))]
+    stored = isinstance(data[0], Example) if data else False
+    if not data:
+        raise ValueError(f"{data_dir}: no sequence has a response long enough to train on (3 tokens or more)")
+    if stored and cfg.loss == "kl":
+        raise ValueError(f"{data_dir} holds stored feature shards, which keep no target distribution: use "
+                         "loss='ce', or a token corpus (`dart-hf regenerate`) for loss='kl'")
     if ckpt.exists():
         head = DartHead.from_pretrained(ckpt).float()
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     else:
-        head, state = new_head(target, examples, cfg, eos_ids or []), None
-    head.to(device).train()
-    head.bind_target(target, place=False)
+        head, state = new_head(target, data, cfg, eos_ids or []), None
+    target.requires_grad_(False)  # the head borrows its embedding (and lm_head when tied): never trained
+    if not stored:
+        target.to(accelerator.device)
+    head.to(accelerator.device).train()
+    head.bind_target(target)
+    layer_ids = list(head.config.aux_layer_ids)
+    draft_ids = None if head.lm_head is None else head.draft_to_target.to(accelerator.device)
+    to_draft = None if head.lm_head is None else target_to_draft(head).to(accelerator.device)
     params = [p for p in head.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    total_steps = int(cfg.epochs * len(examples) / cfg.grad_accum)
+    order = _training_order(len(data), cfg, cfg.batch_size * accelerator.num_processes)
+    total_steps = len(order) // (cfg.batch_size * accelerator.num_processes * cfg.grad_accum)
     step, history, evaluations, tokens = 0, [], [], 0
     if state is not None:
         optim.load_state_dict(state["optimizer"])
         step, history = state["step"], json.loads(state["history"])
         evaluations, tokens = json.loads(state.get("evaluations", "[]")), int(state.get("tokens", 0))
+    loader = DataLoader(range(len(order)), batch_size=cfg.batch_size, shuffle=False,
+                        collate_fn=AnchorCollator(data, order, cfg.anchors_per_sequence, cfg.seed))
+    model, optim, loader = accelerator.prepare(head, optim, loader)
+    if step:
+        loader = accelerator.skip_first_batches(loader, step * cfg.grad_accum)
+    main = accelerator.is_main_process
 
     def maybe_evaluate() -> None:
         if evaluate is None or (evaluations and evaluations[-1]["step"] == step):
             return
         if step not in (0, total_steps) and (eval_every <= 0 or step % eval_every):
             return
-        head.eval()
-        with torch.no_grad():
-            evaluations.append({"step": step, "tokens": tokens, "accepted_length": evaluate(head)})
-        head.train()
-        tqdm.write(f"step {step}, {tokens} tokens: accepted length {evaluations[-1]['accepted_length']}")
+        if main:
+            head.eval()
+            with torch.no_grad():
+                evaluations.append({"step": step, "tokens": tokens, "accepted_length": evaluate(head)})
+            head.train()
+            tqdm.write(f"step {step}, {tokens} tokens: accepted length {evaluations[-1]['accepted_length']}")
+        accelerator.wait_for_everyone()
 
-    rng = random.Random(cfg.seed + step)
-    order = [i for _ in range(math.ceil(cfg.epochs) + 1) for i in rng.sample(range(len(examples)), len(examples))]
-    cursor = step * cfg.grad_accum
     k1 = head.config.num_predictions
-    to_draft = target_to_draft(head)
-    acc_correct, acc_count, acc_loss, acc_n, started = torch.zeros(k1), torch.zeros(k1), 0.0, 0, time.perf_counter()
-    with tqdm(total=total_steps, initial=step, desc="train head", unit="step") as bar:
+    depth = torch.arange(k1, device=accelerator.device)
+    zeros = lambda: torch.zeros(k1, device=accelerator.device)
+    acc_correct, acc_count, acc_loss, acc_n, started = zeros(), zeros(), zeros()[0], 0, time.perf_counter()
+    seen = torch.tensor(tokens, device=accelerator.device)  # response tokens trained on, summed over processes
+    with tqdm(total=total_steps, initial=step, desc="train head", unit="step", disable=not main) as bar:
         maybe_evaluate()
-        while step < total_steps:
-            for group in range(cfg.grad_accum):
-                example = examples[order[cursor]]
-                batch = anchor_batch(example, head, cfg.anchors_per_sequence, rng, to_draft)
-                cursor += 1
-                tokens += example.ids.numel() - example.prompt_length
-                if batch is None:
-                    continue
-                aux, nxt, anchors, labels = (t.to(device) for t in batch)
-                logits = head(aux.float(), nxt, anchors)
-                loss, correct, count = depth_weighted_loss(logits, labels, cfg.gamma)
-                (loss / cfg.grad_accum).backward()
-                acc_correct += correct.cpu()
-                acc_count += count.cpu()
-                acc_loss, acc_n = acc_loss + float(loss), acc_n + 1
-            for g in optim.param_groups:
-                g["lr"] = _lr_at(step, total_steps, cfg)
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            optim.step()
-            optim.zero_grad(set_to_none=True)
+        for batch in loader:
+            if step >= total_steps:
+                break
+            ids, lengths, anchors = batch["ids"], batch["lengths"], batch["anchors"]
+            # anchor a, depth d predicts token a+2+d: the target's distribution at position a+1+d (< T-1)
+            position = anchors.unsqueeze(-1) + 1 + depth
+            valid = (position < (lengths - 1).view(-1, 1, 1)) & batch["anchor_valid"].unsqueeze(-1)
+            teacher = None
+            if stored:
+                aux = batch["aux"]
+                token = ids.gather(1, (position + 1).clamp(max=ids.shape[1] - 1).flatten(1)).view(position.shape)
+            else:
+                aux, final = target_features(target, layer_ids, ids, lengths)
+                rows = position.clamp(max=final.shape[1] - 1).flatten(1)
+                picked = final.gather(1, rows.unsqueeze(-1).expand(-1, -1, final.shape[-1]))
+                teacher = target_logits(target, picked).view(*position.shape, -1)
+                token = teacher.argmax(-1)
+            labels = torch.where(valid, token, IGNORE)
+            if to_draft is not None:  # targets outside the draft vocab have no label (their KL is renormalised)
+                labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], IGNORE)
+            with accelerator.accumulate(model):
+                logits = model(aux.float(), ids[:, 1:], anchors)
+                loss_sum, weight = batch_loss(cfg.loss, logits, valid, labels, cfg.gamma, teacher, draft_ids)
+                # normalised by the weight of all processes: N processes then average to one global-batch loss
+                total_weight = accelerator.reduce(weight.detach(), "sum").clamp(min=1e-6)
+                loss = loss_sum * accelerator.num_processes / total_weight
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    for g in optim.param_groups:
+                        g["lr"] = _lr_at(step, total_steps, cfg)
+                    accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+            labelled = labels != IGNORE
+            acc_correct += accelerator.reduce(((logits.argmax(-1) == labels) & labelled).sum(dim=(0, 1)), "sum")
+            acc_count += accelerator.reduce(labelled.sum(dim=(0, 1)), "sum")
+            acc_loss += accelerator.reduce(loss_sum.detach(), "sum") / total_weight
+            acc_n += 1
+            seen += accelerator.reduce(batch["response_tokens"], "sum")
+            if not accelerator.sync_gradients:
+                continue
             step += 1
             bar.update(1)
+            tokens = int(seen)  # once per optimizer step, not per micro-batch
             if step % cfg.log_every == 0 or step == total_steps:
                 accuracy = (acc_correct / acc_count.clamp(min=1)).tolist()
-                history.append({"step": step, "sequences": cursor, "loss": acc_loss / max(acc_n, 1),
+                history.append({"step": step, "sequences": step * cfg.grad_accum * cfg.batch_size
+                                * accelerator.num_processes, "tokens": tokens, "loss": float(acc_loss) / max(acc_n, 1),
                                 "accuracy": accuracy, "seconds": time.perf_counter() - started})
                 bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc0=f"{accuracy[0]:.2f}", acc1=f"{accuracy[1]:.2f}")
-                acc_correct, acc_count, acc_loss, acc_n = torch.zeros(k1), torch.zeros(k1), 0.0, 0
+                acc_correct, acc_count, acc_loss, acc_n = zeros(), zeros(), zeros()[0], 0
             maybe_evaluate()
             if step % cfg.save_every == 0 or step == total_steps:
-                _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens)
+                accelerator.wait_for_everyone()
+                if main:
+                    _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens)
+                accelerator.wait_for_everyone()
+    maybe_evaluate()
     head.eval()
-    head.save_pretrained(out)
-    (out / "training_history.json").write_text(
-        json.dumps({"config": asdict(cfg), "history": history, "evaluations": evaluations}, indent=1))
-    plot_history(history, out / "training_curves.png", evaluations)
+    if main:
+        head.save_pretrained(out)
+        (out / "training_history.json").write_text(
+            json.dumps({"config": asdict(cfg), "history": history, "evaluations": evaluations}, indent=1))
+        plot_history(history, out / "training_curves.png", evaluations)
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
     return head
 
 
@@ -236,7 +398,7 @@ def plot_history(history: list[dict], path: Path, evaluations: list[dict] | None
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     ax_loss, ax_acc = axes[0], axes[1]
     ax_loss.plot(seqs, [h["loss"] for h in history])
-    ax_loss.set(xlabel="training sequences", ylabel="depth-weighted CE", title="loss")
+    ax_loss.set(xlabel="training sequences", ylabel="depth-weighted loss (KL or CE)", title="loss")
     for d in range(len(history[0]["accuracy"])):
         ax_acc.plot(seqs, [h["accuracy"][d] for h in history], label=f"depth {d}")
     ax_acc.set(xlabel="training sequences", ylabel="top-1 accuracy vs target", title="per-depth accuracy")

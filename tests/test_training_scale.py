@@ -1,0 +1,204 @@
+"""The trainer that scales: a token-id corpus (regenerated, resumable, importable), online target features,
+the KL loss, and data parallelism through accelerate (2 CPU processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import WORDS, make_target, make_word_tokenizer
+from dart_hf.tools.evaluation import acceptance_report
+from dart_hf.training import corpus as corpus_module
+from dart_hf.training.corpus import CORPUS_FILE, Corpus, import_responses, load_corpus, regenerate
+from dart_hf.training.data import prompt_token_ids
+from dart_hf.training.train import TrainConfig, batch_loss, kl_terms, new_head, train_head
+
+TESTS = Path(__file__).resolve().parent
+
+
+def user_texts(n: int, offset: int = 0) -> list[str]:
+    return [" ".join(WORDS[(7 * i + 3 * j) % 100] for j in range(3 + i % 5)) for i in range(offset, offset + n)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_target("llama", vocab_size=112, eos_token_id=1, pad_token_id=0), make_word_tokenizer()
+
+
+def test_regenerate_train_online_kl_evaluate(tiny, tmp_path):
+    target, tok = tiny
+    corpus = regenerate(target, tok, user_texts(24), tmp_path / "corpus", max_new_tokens=16, batch_size=8)
+    assert len(corpus.done) == 24
+    # a few MB per million tokens: ids, not features
+    sequences = load_corpus(tmp_path / "corpus")
+    n_tokens = sum(s.ids.numel() for s in sequences)
+    assert (tmp_path / "corpus" / CORPUS_FILE).stat().st_size < 8 * n_tokens
+    cfg = TrainConfig(draft_length=3, draft_vocab_size=64, loss="kl", epochs=8, lr=3e-3, batch_size=4,
+                      warmup_steps=5, anchors_per_sequence=12, log_every=8, save_every=1000)
+    held_out = [torch.tensor([prompt_token_ids(tok, t)]) for t in user_texts(4, 200)]
+    untrained = new_head(target, sequences, cfg, eos_ids=[1]).eval()
+    before = acceptance_report(target, untrained, held_out, max_new_tokens=16)
+    head = train_head(target, tmp_path / "corpus", tmp_path / "head", cfg, eos_ids=[1], device="cpu")
+    history = json.loads((tmp_path / "head" / "training_history.json").read_text())["history"]
+    assert history[-1]["loss"] < 0.6 * history[0]["loss"]
+    after = acceptance_report(target, head.eval(), held_out, max_new_tokens=16)
+    assert after["lossless"] and after["mean_accepted_length"] >= 1.0
+    assert after["mean_accepted_length"] > before["mean_accepted_length"]
+
+
+def test_regeneration_resumes_skips_done_prompts_and_repairs_a_torn_line(tiny, tmp_path, monkeypatch):
+    target, tok = tiny
+    out = tmp_path / "corpus"
+    regenerate(target, tok, user_texts(10), out, max_new_tokens=8, batch_size=4)
+    path = out / CORPUS_FILE
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # killed mid-write
+    generated = []
+    real = corpus_module.generate_batch
+
+    def counting(target, batch, config):
+        generated.extend(tuple(ids) for ids in batch)
+        return real(target, batch, config)
+
+    monkeypatch.setattr(corpus_module, "generate_batch", counting)
+    prompts = user_texts(14) + user_texts(3)  # 4 new prompts, 3 duplicates
+    regenerate(target, tok, prompts, out, max_new_tokens=8, batch_size=4)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    keys = [tuple(r["prompt"]) for r in records]
+    assert len(keys) == len(set(keys)) == 14
+    assert path.read_text().splitlines()[:9] == [line.rstrip("\n") for line in lines[:9]]  # kept as written
+    assert len(generated) == 5  # the torn prompt and the 4 new ones; nothing done is regenerated
+    torn_prompt = tuple(json.loads(lines[-1])["prompt"])
+    assert torn_prompt in generated
+
+
+def test_import_of_engine_responses(tiny, tmp_path):
+    target, tok = tiny
+    pairs = tmp_path / "vllm.jsonl"
+    pairs.write_text(json.dumps({"prompt": "w1 w2", "response": "w5 w6 w7"}) + "\n"
+                     + json.dumps({"prompt": "w3", "response": "w8 <eos>"}) + "\n"
+                     + json.dumps({"prompt": "w1 w2", "response": "w9"}) + "\n")  # a repeated prompt: skipped
+    assert import_responses(tok, pairs, tmp_path / "c", vocab_size=112, eos_ids=[1]) == 2
+    seqs = load_corpus(tmp_path / "c")
+    assert seqs[0].ids.tolist() == prompt_token_ids(tok, "w1 w2") + tok.convert_tokens_to_ids(["w5", "w6", "w7"]) + [1]
+    assert seqs[0].prompt_length == len(prompt_token_ids(tok, "w1 w2"))
+    assert seqs[1].ids.tolist()[-2:] == [tok.convert_tokens_to_ids("w8"), 1]  # EOS not doubled
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "w1"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1.*'response'"):
+        import_responses(tok, bad, tmp_path / "c2", vocab_size=112, eos_ids=[1])
+    with pytest.raises(ValueError, match="another tokenizer"):
+        Corpus(tmp_path / "c", vocab_size=50, eos_ids=[1])
+
+
+def test_kl_loss_matches_a_hand_computed_value_and_is_minimised_by_the_target():
+    teacher = torch.tensor([[[[2.0, 0.0, 1.0, -1.0], [0.5, 0.5, 0.0, 3.0]]]])  # [B=1, A=1, K+1=2, V=4]
+    draft = torch.tensor([0, 2, 3])  # draft vocab S: target ids 0, 2, 3
+    head = torch.tensor([[[[1.0, 0.0, 0.0], [0.0, 1.0, 2.0]]]])
+    valid = torch.ones(1, 1, 2, dtype=torch.bool)
+    labels = torch.zeros(1, 1, 2, dtype=torch.long)
+    total, weight = batch_loss("kl", head, valid, labels, 0.6, teacher, draft)
+    want = 0.0
+    for d, gamma_d in enumerate([1.0, 0.6]):
+        p = [math.exp(x) for x in teacher[0, 0, d].tolist()]
+        p = [x / sum(p) for x in p]
+        p_s = [p[i] for i in draft.tolist()]
+        mass = sum(p_s)
+        p_s = [x / mass for x in p_s]
+        q = [math.exp(x) for x in head[0, 0, d].tolist()]
+        q = [x / sum(q) for x in q]
+        want += gamma_d * mass * sum(a * math.log(a / b) for a, b in zip(p_s, q))
+    assert float(weight) == pytest.approx(1.6)
+    assert float(total) == pytest.approx(want, rel=1e-5)
+    # the renormalised target distribution is the minimum: zero loss, zero gradient, anything else is worse
+    best = teacher[..., draft].log_softmax(-1).clone().requires_grad_(True)
+    at_best, _ = batch_loss("kl", best, valid, labels, 0.6, teacher, draft)
+    at_best.backward()
+    assert float(at_best.detach()) == pytest.approx(0.0, abs=1e-6)
+    assert best.grad.abs().max() < 1e-6
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        other = best.detach() + 0.3 * torch.randn(best.shape, generator=g)
+        assert float(batch_loss("kl", other, valid, labels, 0.6, teacher, draft)[0]) > 1e-4
+    kl, mass = kl_terms(teacher, teacher, None)  # full vocab: no renormalisation, mass 1
+    assert torch.allclose(mass, torch.ones_like(mass)) and kl.abs().max() < 1e-6
+
+
+DP_WORKER = textwrap.dedent('''
+    """Train a head on a fixed corpus; record which sequences each process saw (argv: corpus out batch_size)."""
+    import json, os, sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    torch.set_num_threads(1)
+    from conftest import make_target
+    from dart_hf.training import train
+    from dart_hf.training.train import TrainConfig, train_head
+
+    corpus, out, batch_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    seen = []
+    call = train.AnchorCollator.__call__
+    def recording(self, places):
+        seen.extend(self.order[p] for p in places)
+        return call(self, places)
+    train.AnchorCollator.__call__ = recording
+    target = make_target("llama", vocab_size=112, eos_token_id=1, pad_token_id=0)
+    cfg = TrainConfig(draft_length=2, draft_vocab_size=None, loss="kl", epochs=1, lr=1e-2, warmup_steps=1,
+                      batch_size=batch_size, anchors_per_sequence=4, log_every=1, save_every=1000)
+    train_head(target, corpus, out, cfg, eos_ids=[1], device="cpu")
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(out, f"seen-{{rank}}.json"), "w") as f:
+        json.dump(seen, f)
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_data_parallel_two_processes_match_one_process_on_the_same_global_batch(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    corpus = Corpus(tmp_path / "corpus", vocab_size=112, eos_ids=[1])
+    # equal lengths: no process pads differently, so the comparison isolates the data-parallel arithmetic
+    corpus.append([{"prompt": torch.randint(5, 112, (6,), generator=g).tolist(),
+                    "response": torch.randint(5, 112, (10,), generator=g).tolist()} for _ in range(16)])
+    script = tmp_path / "worker.py"
+    script.write_text(DP_WORKER.format(tests=str(TESTS)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = lambda *cmd: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    corpus_dir = str(tmp_path / "corpus")
+    single = run(sys.executable, str(script), corpus_dir, str(tmp_path / "one"), "4")
+    assert single.returncode == 0, single.stderr[-3000:]
+    half = run(sys.executable, str(script), corpus_dir, str(tmp_path / "half"), "2")
+    assert half.returncode == 0, half.stderr[-3000:]
+    # `--multi_gpu` picks accelerate's torchrun launcher; without a GPU its processes join as MULTI_CPU (gloo)
+    # (`--cpu --num_processes 2` would expect an external mpirun)
+    dp = run(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+             "--main_process_port", str(_free_port()), str(script), corpus_dir, str(tmp_path / "two"), "2")
+    assert dp.returncode == 0, dp.stderr[-3000:]
+
+    seen = [json.loads((tmp_path / "two" / f"seen-{r}.json").read_text()) for r in (0, 1)]
+    one_seen = json.loads((tmp_path / "one" / "seen-0.json").read_text())
+    assert seen[0] and seen[1] and not set(seen[0]) & set(seen[1])  # each rank its own sequences
+    assert sorted(seen[0] + seen[1]) == sorted(one_seen) == list(range(16))
+    from safetensors.torch import load_file
+
+    one, two, halfway = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("one", "two", "half"))
+    hist = lambda d: json.loads((tmp_path / d / "training_history.json").read_text())["history"]
+    assert [h["step"] for h in hist("two")] == [h["step"] for h in hist("one")] == [1, 2, 3, 4]
+    for h1, h2 in zip(hist("one"), hist("two")):
+        assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-4)  # the global-batch loss, gathered
+    gap = max((one[k] - two[k]).abs().max().item() for k in one)
+    control = max((one[k] - halfway[k]).abs().max().item() for k in one)  # one process, half the batch
+    assert gap < 1e-4 < control
