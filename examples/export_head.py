@@ -3,8 +3,7 @@
     python examples/export_head.py runs/smollm2-head model_cards/smollm2-135m-instruct-dart
 
 The card (README.md) is written by hand with the measured numbers; this script keeps it if present.
-custom_generate/generate.py loads the head from REPO (the Hub name the folder is published under; `dart-hf push`
-rewrites it for another repo, and `generate(..., dart_head=<folder>)` overrides it locally).
+custom_generate/ is regenerated (it loads the head from whatever folder or repo it is called with).
 """
 
 import sys
@@ -16,13 +15,10 @@ import dart_hf  # noqa: F401  (registers the "dart" model type)
 from dart_hf.tools.hub import write_custom_generate
 
 
-REPO = "dart-hf/smollm2-135m-instruct-dart"
-
-
 def main(src: str, dst: str) -> None:
     head = AutoModel.from_pretrained(src, dtype=torch.float32)
     head.to(torch.bfloat16).save_pretrained(dst)  # saves ngram.safetensors too
-    write_custom_generate(dst, head_location=REPO)
+    write_custom_generate(dst)
     print(f"exported {src} -> {dst}")
 
 

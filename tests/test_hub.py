@@ -341,12 +341,12 @@ README_SNIPPET_RUNNER = textwrap.dedent(
 
     target = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
     tok = AutoTokenizer.from_pretrained(sys.argv[1])
-    input_ids = tok.apply_chat_template([{"role": "user", "content": "Write a function that reverses a string."}],
-                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    scope = {"target": target, "input_ids": input_ids}
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a function that reverses a string."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    scope = {"target": target, "ids": ids}
     exec(sys.argv[2], scope)
-    new = scope["out"].shape[1] - input_ids.shape[1]
-    ref = target.generate(input_ids, do_sample=False, max_new_tokens=new)
+    new = scope["out"].shape[1] - ids.shape[1]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=new)
     print(json.dumps({"same": torch.equal(scope["out"], ref), "new": new, "dart_hf": repr(sys.modules["dart_hf"])}))
     """
 )

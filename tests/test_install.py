@@ -60,3 +60,19 @@ def test_wheel_ships_the_head_and_resolves_it(tmp_path):
     assert got["model_type"] == "dart" and got["has_ngram"] is True
     assert {"config.json", "model.safetensors", "ngram.safetensors", "custom_generate"} <= set(got["files"])
     assert (target / "dart_hf_cli.py").is_file()
+
+
+def readme_block(heading: str) -> str:
+    """The first python code block after a README heading."""
+    text = (REPO_ROOT / "README.md").read_text()
+    return text[text.index(heading):].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_readme_quick_start_runs_verbatim_from_another_folder(tmp_path):
+    """The quick start as a user pastes it, run outside the repository (no relative path may leak in)."""
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(readme_block("## Quick start (Python)") + 'print("QUICK START OK", out.shape)\n')
+    proc = subprocess.run([sys.executable, str(snippet)], capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "QUICK START OK" in proc.stdout
