@@ -42,6 +42,9 @@ class DartConfig(PreTrainedConfig):
         `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`, weight (>= 0) of the n-gram
         log-probability. `node_budget=None` lets the decoder pick the budget from a measured verify-cost curve (see
         `dart_hf.core.budget`).
+    has_ngram (`bool`, defaults to False):
+        Set by `save_pretrained`: the head was saved with `ngram.safetensors` beside it, so loading refuses a copy
+        of the folder without that file (rather than silently drafting without n-gram rescoring).
     prompt_lookup / lookup_min_ngram / lookup_max_ngram / lookup_logp:
         Offer the continuation of the latest earlier occurrence of the text's last n-gram (n from
         `lookup_max_ngram` down to `lookup_min_ngram`) as one more beam-search candidate per depth, scored as if the
@@ -83,6 +86,7 @@ class DartConfig(PreTrainedConfig):
     level_decay: float = 0.7
     logit_decay: float = 0.9
     ngram_weight: float = 0.5
+    has_ngram: bool = False
     prompt_lookup: bool = True
     lookup_min_ngram: int = 2
     lookup_max_ngram: int = 4

@@ -187,6 +187,18 @@ class DartHead(DartPreTrainedModel):
         self.rotary_emb = DartRotaryEmbedding(config)
         if config.uses_target_lm_head:
             self.lm_head = None
+def _refuse_missing_local_folder(path) -> None:
+    """FileNotFoundError for a head path that can only mean a local folder and is not one. transformers would
+    treat it as a Hub repo id: an unrelated repo-id error, or (for `a/b`) half a minute of retried downloads."""
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        return
+    first = text.replace(os.sep, "/").split("/", 1)[0]
+    looks_local = os.path.isabs(text) or text.startswith(("./", "../", ".\\", "..\\")) or text.count("/") > 1
+    if looks_local or (first not in ("", ".", "..") and os.path.exists(first)):
+        raise FileNotFoundError(f"no such folder: {text} (looked in {os.path.abspath(text)})")
+
+
         else:
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -229,13 +241,19 @@ class DartHead(DartPreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "DartHead":
         """`PreTrainedModel.from_pretrained`, made strict: safetensors only, a config of model_type "dart",
         and every checkpoint key present with the right shape (a missing key is an error, not a random init).
-        Loads `ngram.safetensors` from the same folder / repo when present."""
+        Loads `ngram.safetensors` from the same folder / repo, and refuses a head whose config says it has one
+        (`has_ngram`) when the file is missing. A path that can only be a folder (absolute, `./`, `../`, `~`, or a
+        relative path whose first part exists here) and does not exist is a FileNotFoundError, never a Hub lookup."""
         from transformers.utils import cached_file
 
         path = pretrained_model_name_or_path
         hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
         if "config" not in kwargs:
-            config_dict, _ = DartConfig.get_config_dict(path, **hub_kwargs)
+            try:
+                config_dict, _ = DartConfig.get_config_dict(path, **hub_kwargs)
+            except OSError as err:
+                where = "" if os.path.isdir(path) else f"neither a folder here ({os.path.abspath(path)}) nor "
+                raise FileNotFoundError(f"{path} is {where}a loadable DART head: {err}") from err
             if config_dict.get("model_type") != "dart":
                 raise ValueError(
                     f"{path} is not a DART head: its config.json has model_type={config_dict.get('model_type')!r}"
@@ -247,6 +265,9 @@ class DartHead(DartPreTrainedModel):
         kwargs["ignore_mismatched_sizes"] = True
         try:
             model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
+        if os.fspath(path).startswith("~"):
+            path = os.path.expanduser(path)
+        _refuse_missing_local_folder(path)
         except (OSError, RuntimeError, SafetensorError) as err:  # SafetensorError: truncated / damaged file
             raise ValueError(f"could not load a DART head from {path}: {err}") from err
         problems = {k: info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
@@ -258,7 +279,9 @@ class DartHead(DartPreTrainedModel):
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """Weights + config, plus `ngram.safetensors` when the head carries an n-gram model."""
+        """Weights + config, plus `ngram.safetensors` when the head carries an n-gram model. The config records
+        whether it does (`has_ngram`), so a copy of the folder that lost the file is refused when loaded."""
+        self.config.has_ngram = self.ngram is not None
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.ngram is not None and kwargs.get("is_main_process", True):
             self.ngram.save(os.path.join(save_directory, NGRAM_FILE))
@@ -269,6 +292,11 @@ class DartHead(DartPreTrainedModel):
         re-chooses it every step from running acceptance statistics, this returns its current best)."""
         if self.config.node_budget is not None:
             return self.config.node_budget
+        elif model.config.has_ngram:
+            raise ValueError(
+                f"{path} has no {NGRAM_FILE}, but its config.json says the head was saved with one (has_ngram: true): "
+                f"copy {NGRAM_FILE} beside the weights, or set has_ngram to false to draft without n-gram rescoring"
+            )
         from .budget import cost_aware_budget
 
         return cost_aware_budget(self, target)
