@@ -171,6 +171,18 @@ class DartPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.mask_rep, mean=0.0, std=self.config.initializer_range)
 
 
+def _refuse_missing_local_folder(path) -> None:
+    """FileNotFoundError for a head path that can only mean a local folder and is not one. transformers would
+    treat it as a Hub repo id: an unrelated repo-id error, or (for `a/b`) half a minute of retried downloads."""
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        return
+    first = text.replace(os.sep, "/").split("/", 1)[0]
+    looks_local = os.path.isabs(text) or text.startswith(("./", "../", ".\\", "..\\")) or text.count("/") > 1
+    if looks_local or (first not in ("", ".", "..") and os.path.exists(first)):
+        raise FileNotFoundError(f"no such folder: {text} (looked in {os.path.abspath(text)})")
+
+
 class DartHead(DartPreTrainedModel):
     """DART draft head. Build one with `DartHead.from_target(target)`, load one with `from_pretrained`.
 
@@ -187,18 +199,6 @@ class DartHead(DartPreTrainedModel):
         self.rotary_emb = DartRotaryEmbedding(config)
         if config.uses_target_lm_head:
             self.lm_head = None
-def _refuse_missing_local_folder(path) -> None:
-    """FileNotFoundError for a head path that can only mean a local folder and is not one. transformers would
-    treat it as a Hub repo id: an unrelated repo-id error, or (for `a/b`) half a minute of retried downloads."""
-    text = os.fspath(path)
-    if os.path.isdir(text):
-        return
-    first = text.replace(os.sep, "/").split("/", 1)[0]
-    looks_local = os.path.isabs(text) or text.startswith(("./", "../", ".\\", "..\\")) or text.count("/") > 1
-    if looks_local or (first not in ("", ".", "..") and os.path.exists(first)):
-        raise FileNotFoundError(f"no such folder: {text} (looked in {os.path.abspath(text)})")
-
-
         else:
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -247,6 +247,9 @@ def _refuse_missing_local_folder(path) -> None:
         from transformers.utils import cached_file
 
         path = pretrained_model_name_or_path
+        if os.fspath(path).startswith("~"):
+            path = os.path.expanduser(path)
+        _refuse_missing_local_folder(path)
         hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
         if "config" not in kwargs:
             try:
@@ -265,9 +268,6 @@ def _refuse_missing_local_folder(path) -> None:
         kwargs["ignore_mismatched_sizes"] = True
         try:
             model, info = super().from_pretrained(path, *model_args, output_loading_info=True, **kwargs)
-        if os.fspath(path).startswith("~"):
-            path = os.path.expanduser(path)
-        _refuse_missing_local_folder(path)
         except (OSError, RuntimeError, SafetensorError) as err:  # SafetensorError: truncated / damaged file
             raise ValueError(f"could not load a DART head from {path}: {err}") from err
         problems = {k: info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
@@ -276,6 +276,11 @@ def _refuse_missing_local_folder(path) -> None:
         ngram_file = cached_file(path, NGRAM_FILE, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
         if ngram_file is not None:
             model.ngram = NGramModel.load(ngram_file)
+        elif model.config.has_ngram:
+            raise ValueError(
+                f"{path} has no {NGRAM_FILE}, but its config.json says the head was saved with one (has_ngram: true): "
+                f"copy {NGRAM_FILE} beside the weights, or set has_ngram to false to draft without n-gram rescoring"
+            )
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
@@ -292,11 +297,6 @@ def _refuse_missing_local_folder(path) -> None:
         re-chooses it every step from running acceptance statistics, this returns its current best)."""
         if self.config.node_budget is not None:
             return self.config.node_budget
-        elif model.config.has_ngram:
-            raise ValueError(
-                f"{path} has no {NGRAM_FILE}, but its config.json says the head was saved with one (has_ngram: true): "
-                f"copy {NGRAM_FILE} beside the weights, or set has_ngram to false to draft without n-gram rescoring"
-            )
         from .budget import cost_aware_budget
 
         return cost_aware_budget(self, target)
