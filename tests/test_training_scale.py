@@ -169,9 +169,10 @@ def _free_port() -> int:
 def test_data_parallel_two_processes_match_one_process_on_the_same_global_batch(tmp_path):
     g = torch.Generator().manual_seed(0)
     corpus = Corpus(tmp_path / "corpus", vocab_size=112, eos_ids=[1])
-    # equal lengths: no process pads differently, so the comparison isolates the data-parallel arithmetic
+    # responses of 2..11 tokens: ranks hold different numbers of labelled rows, so a per-rank mean averaged
+    # over ranks would differ from the global-batch loss
     corpus.append([{"prompt": torch.randint(5, 112, (6,), generator=g).tolist(),
-                    "response": torch.randint(5, 112, (10,), generator=g).tolist()} for _ in range(16)])
+                    "response": torch.randint(5, 112, (2 + i * 7 % 10,), generator=g).tolist()} for i in range(16)])
     script = tmp_path / "worker.py"
     script.write_text(DP_WORKER.format(tests=str(TESTS)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -201,4 +202,4 @@ def test_data_parallel_two_processes_match_one_process_on_the_same_global_batch(
         assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-4)  # the global-batch loss, gathered
     gap = max((one[k] - two[k]).abs().max().item() for k in one)
     control = max((one[k] - halfway[k]).abs().max().item() for k in one)  # one process, half the batch
-    assert gap < 1e-4 < control
+    assert gap < 1e-3 < control  # padding widths differ per process: float noise, well below one lr step

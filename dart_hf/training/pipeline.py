@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 
 from ..tools.assets import eval_prompts, load_target
 from ..tools.evaluation import acceptance_report
@@ -40,8 +41,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:  # an unknown target name, or a folder that holds no model
         print(f"dart-hf train: error: {err}", file=sys.stderr)
         return 2
+    processes = PartialState()  # several under `accelerate launch`: one trains each share, the main one does the rest
     if args.corpus:
         features = Path(args.corpus)  # a token corpus: features online
+    elif processes.num_processes > 1:
+        print("dart-hf train: error: data-parallel training reads a token corpus: pass --corpus (dart-hf regenerate)",
+              file=sys.stderr)
+        return 2
     elif args.num_prompts > 0:
         prompts = sharegpt_training_prompts(args.num_prompts)
         collect_features(target, tokenizer, prompts, features, args.max_new_tokens, args.batch_size)
@@ -57,9 +63,10 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.train_batch_size,
         grad_accum=args.grad_accum,
     )
-    if not (out / NGRAM_FILE).exists():
+    if not (out / NGRAM_FILE).exists() and processes.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _ngram(tokenizer, target.config.vocab_size, args, features).save(out / NGRAM_FILE)
+    processes.wait_for_everyone()
     ngram = NGramModel.load(out / NGRAM_FILE)
     if args.device == "cpu":
         target = target.float()  # train online and evaluate as users run it on CPU (bf16 matmuls are slow there)
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         head = train_head(target, features, out, cfg, eos_ids=eos_ids, device=args.device,
                           evaluate=_curve_evaluator(target, tokenizer, ngram, args), eval_every=args.eval_every)
     head.ngram = ngram
-    if args.eval_n > 0:
+    if args.eval_n > 0 and processes.is_main_process:
         head = head.to(target.device, target.dtype).eval()
         report = {
             ds: acceptance_report(target, head, eval_prompts(tokenizer, ds, args.eval_n), args.eval_max_new_tokens,
