@@ -98,6 +98,9 @@ def test_import_of_engine_responses(tiny, tmp_path):
         import_responses(tok, bad, tmp_path / "c2", vocab_size=112, eos_ids=[1])
     with pytest.raises(ValueError, match="another tokenizer"):
         Corpus(tmp_path / "c", vocab_size=50, eos_ids=[1])
+    with pytest.raises(ValueError, match="do not fill one optimizer step"):  # 2 sequences, a batch of 8
+        train_head(target, tmp_path / "c", tmp_path / "h", TrainConfig(draft_vocab_size=None, batch_size=8),
+                   eos_ids=[1], device="cpu")
 
 
 def test_kl_loss_matches_a_hand_computed_value_and_is_minimised_by_the_target():

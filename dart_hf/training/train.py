@@ -282,6 +282,9 @@ def train_head(
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     order = _training_order(len(data), cfg, cfg.batch_size * accelerator.num_processes)
     total_steps = len(order) // (cfg.batch_size * accelerator.num_processes * cfg.grad_accum)
+    if total_steps == 0:
+        raise ValueError(f"{len(data)} sequences x {cfg.epochs} epochs do not fill one optimizer step of "
+                         f"{cfg.batch_size} x {accelerator.num_processes} processes x {cfg.grad_accum} accumulation")
     step, history, evaluations, tokens = 0, [], [], 0
     if state is not None:
         optim.load_state_dict(state["optimizer"])
