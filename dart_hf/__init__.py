@@ -13,6 +13,7 @@ from .core.loop import dart_decode
 from .integrations.transformers import DartCandidateGenerator
 from .core.modeling import DartHead
 from .core.ngram import NGramModel
+from .core.stats import DartStats
 from .core.tree import DraftTree, TreeSearchParams, build_tree
 
 AutoConfig.register("dart", DartConfig)
@@ -24,6 +25,7 @@ __all__ = [
     "DartCandidateGenerator",
     "DartConfig",
     "DartHead",
+    "DartStats",
     "DraftTree",
     "NGramModel",
     "TreeSearchParams",

@@ -141,9 +141,9 @@ def record_drafts(head, monkeypatch) -> dict[int, torch.Tensor]:
     seen: dict[int, torch.Tensor] = {}
     original = head.draft
 
-    def spy(aux, next_tokens, cache, depth=None):
+    def spy(aux, next_tokens, cache, depth=None, **kwargs):
         prefix = cache.length + aux.shape[1]
-        seen[prefix] = original(aux, next_tokens, cache, depth=depth)
+        seen[prefix] = original(aux, next_tokens, cache, depth=depth, **kwargs)
         return seen[prefix]
 
     monkeypatch.setattr(head, "draft", spy)

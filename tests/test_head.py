@@ -260,7 +260,7 @@ def test_bf16_head_drafts_close_to_fp32(llama, vocab):
     scramble(head)
     half = copy.deepcopy(head).to(torch.bfloat16)
     head.bind_target(llama)
-    half.bind_target(llama, place=False)  # fp32 target, bf16 head kept: embeddings are cast to the head's dtype
+    half.bind_target(llama)  # fp32 target, bf16 head kept (binding never moves the head): embeddings are cast
     assert half.dtype == torch.bfloat16
     aux, nxt = head_inputs(llama, head, length=9)
     ref = fresh_draft(head, aux, nxt)
@@ -282,7 +282,18 @@ def test_bf16_target_and_head_generate():
     assert out.shape == (1, ids.shape[1] + 12) and torch.equal(out[:, : ids.shape[1]], ids)
 
 
-def test_bind_target_places_the_head_like_the_target(llama):
+def test_generate_places_the_head_once_and_leaves_nothing_on_it(llama):
     head = make_head(llama).to(torch.bfloat16)
-    head.bind_target(llama)  # generate() binds this way: the head follows the target's dtype and device
-    assert head.dtype == llama.dtype and head.device == llama.device
+    ids = prompts(1, seed=3)[0]
+    llama.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=4)
+    assert head.dtype == llama.dtype and head.device == llama.device  # the first call placed it like the target
+    assert head._bound is None, "generate must pass the target's modules to the head, not store them on it"
+    storage = [p.data_ptr() for p in head.parameters()]
+    llama.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=4)
+    assert [p.data_ptr() for p in head.parameters()] == storage  # later calls find it in place
+
+
+def test_bind_target_borrows_modules_without_moving_the_head(llama):
+    head = make_head(llama).to(torch.bfloat16)
+    head.bind_target(llama)
+    assert head.dtype == torch.bfloat16

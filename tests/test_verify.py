@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import make_target
+from dart_hf.core.runtime import verify_runtime
 from dart_hf.core.tree import TreeSearchParams, build_tree
 from dart_hf.core.verify import compact_cache, tree_attention_mask, verify_tree
 
@@ -25,13 +26,17 @@ def prefilled(target, prefix):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_tree_logits_equal_per_path_forwards(attn):
+@pytest.mark.parametrize("attn, runtime", [("sdpa", False), ("sdpa", True), ("eager", False)])
+def test_tree_logits_equal_per_path_forwards(attn, runtime):
     target = make_target("qwen3", attn=attn)
     prefix = torch.randint(3, 96, (1, 9))
     tree = random_tree(96)
     cache = prefilled(target, prefix)
-    logits = verify_tree(target, tree, cache, past_len=9)
+    if runtime:  # the grouped CPU SDPA and few-row linears a DART call verifies with
+        with verify_runtime(target):
+            logits = verify_tree(target, tree, cache, past_len=9)
+    else:
+        logits = verify_tree(target, tree, cache, past_len=9)
     for i in range(tree.size):
         path = tree.ancestor_mask[i].nonzero().squeeze(1)
         seq = torch.cat([prefix, tree.tokens[path].unsqueeze(0)], dim=1)
@@ -40,8 +45,8 @@ def test_tree_logits_equal_per_path_forwards(attn):
 
 
 def test_cpu_sdpa_verify_keeps_grouped_kv_heads_and_restores_the_config(monkeypatch):
-    # the logits test above covers the numbers; this one fails if the verify forward still repeats K/V per query
-    # head (a copy of the whole cache per layer per step) or leaves the target on the verify-only implementation
+    # the logits test above covers the numbers; this one fails if the runtime's verify forward still repeats K/V per
+    # query head (a copy of the whole cache per layer per step) or leaves the target on the verify-only implementation
     import transformers.integrations.sdpa_attention as sdpa_module
 
     target = make_target("qwen3")  # 4 query heads over 2 KV heads
@@ -50,10 +55,11 @@ def test_cpu_sdpa_verify_keeps_grouped_kv_heads_and_restores_the_config(monkeypa
     repeats = []
     real_repeat = sdpa_module.repeat_kv
     monkeypatch.setattr(sdpa_module, "repeat_kv", lambda *a: repeats.append(1) or real_repeat(*a))
-    verify_tree(target, random_tree(96), cache, past_len=9)
+    with verify_runtime(target):
+        verify_tree(target, random_tree(96), cache, past_len=9)
     assert repeats == [] and target.config._attn_implementation == "sdpa"
     monkeypatch.setattr(sdpa_module.torch.nn.functional, "scaled_dot_product_attention", None)  # make it raise
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError), verify_runtime(target):
         verify_tree(target, random_tree(96), prefilled(target, prefix), past_len=9)
     assert target.config._attn_implementation == "sdpa"
 

@@ -137,4 +137,81 @@ class DartConfig(PreTrainedConfig):
         return self.draft_length + 1
 
 
-__all__ = ["DartConfig", "default_aux_layer_ids"]
+# ----------------------------------------------------------------------------------- a DartConfig for a target
+# Duck-typed on the target (only its config and its output embedding are read), so the head module can use them
+# without importing anything about targets.
+def _rope_parameters(cfg) -> dict:
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3): the head attends globally
+        rope = dict(rope["full_attention"])
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = float(getattr(cfg, "rope_theta", 10000.0))
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+# what dart_config_for_target reads from a target's config (GPT-2 style configs have no intermediate_size)
+_TARGET_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
+def dart_config_for_target(target, draft_length: int = 7, draft_vocab_size: int | None = None, **overrides) -> DartConfig:
+    """A DartConfig whose layer has the target's width, heads and RoPE (EAGLE-3 / DART sizing)."""
+    if target.config.is_encoder_decoder:
+        raise ValueError("DART drafts for decoder-only targets; got an encoder-decoder model")
+    cfg = target.config.get_text_config()
+    missing = [f for f in _TARGET_FIELDS if getattr(cfg, f, None) is None]
+    if missing:
+        raise ValueError(
+            f"cannot size a DART head for a {cfg.model_type!r} target: its config has no {', '.join(missing)}. "
+            "DART supports decoder-only causal LMs laid out like Llama / Qwen / Mistral / Gemma"
+        )
+    n_layers = cfg.num_hidden_layers
+    fields = dict(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        rope_parameters=_rope_parameters(cfg),
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
+        vocab_size=cfg.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        draft_length=draft_length,
+        target_hidden_size=cfg.hidden_size,
+        target_num_layers=n_layers,
+        target_model_type=cfg.model_type,
+        aux_layer_ids=default_aux_layer_ids(n_layers),
+    )
+    fields.update(overrides)
+    return DartConfig(**fields)
+
+
+def check_config_matches_target(config: DartConfig, target) -> None:
+    """Raise a ValueError naming the first field where a head's config and the target disagree."""
+    if target.config.is_encoder_decoder:
+        raise ValueError("DART drafts for decoder-only targets; got an encoder-decoder model")
+    tc = target.config.get_text_config()
+    checks = [
+        ("hidden size", config.target_hidden_size, tc.hidden_size),
+        ("vocab size", config.vocab_size, tc.vocab_size),
+        ("number of layers", config.target_num_layers, tc.num_hidden_layers),
+    ]
+    if config.target_model_type is not None:
+        checks.append(("model type", config.target_model_type, tc.model_type))
+    for what, built_for, got in checks:
+        if built_for != got:
+            override = " (set head.config.target_model_type = None to override)" if what == "model type" else ""
+            raise ValueError(
+                f"DART head was built for a target with {what} {built_for!r}, but this target has {got!r}{override}"
+            )
+    n_layers = tc.num_hidden_layers
+    if any(not 0 <= i < n_layers for i in config.aux_layer_ids):
+        raise ValueError(f"aux_layer_ids {config.aux_layer_ids} do not exist in a target with {n_layers} layers")
+    if config.uses_target_lm_head:
+        out = target.get_output_embeddings()
+        if out is None or out.weight.shape[0] != config.vocab_size:
+            raise ValueError("a head tied to the target lm_head needs a target lm_head over the full vocab")
+
+
+__all__ = ["DartConfig", "check_config_matches_target", "dart_config_for_target", "default_aux_layer_ids"]

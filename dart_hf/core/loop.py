@@ -1,15 +1,16 @@
-"""The DART tree decoding loop: prompt -> head -> tree -> verify -> accept, one target forward per step.
+"""The DART tree decoding loop: prefill, then per step propose -> verify -> accept -> advance -> stop -> stream.
 
 `dart_decode` has the signature of a transformers decoding method, so `GenerationMixin.generate` prepares
 everything (GenerationConfig, logits processors and warpers, stopping criteria incl. stop strings, max
 length, the DynamicCache) and then hands over to it, either through `custom_generate=dart_decode` or through
 the `assistant_model=DartHead` routing installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
+The draft half lives in `drafter.py` (shared with chain mode), every temporary change to the target in
+`runtime.py`, the per-call results in `stats.py`.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -17,35 +18,99 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
-from .cpu_linear import few_row_linears
+from .budget import BudgetController, budget_controller
+from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
-from .prompt_lookup import lookup_for_tree
-from .target import AuxHiddenCapture
-from .tree import TreeSearchParams, build_tree
+from .runtime import dart_runtime
+from .stats import DartStats, PhaseTimer
+from .target import check_head_matches_target, prepare_head
+from .tree import DraftTree
 from .verify import compact_cache, verify_tree
 
 
-class StepTimer:
-    """Accumulates wall time per phase; synchronises CUDA only when timing was asked for."""
+@torch.no_grad()
+def dart_decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    dart_head: DartHead | None = None,
+    dart_streamer=None,
+    dart_node_budget: int | str | None = None,
+    dart_prompt_lookup: bool | None = None,
+    dart_timing: bool = False,
+    dart_stats: DartStats | None = None,
+    dart_budget_state=None,
+    **model_kwargs,
+):
+    """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless).
 
-    def __init__(self, device: torch.device, enabled: bool):
-        self.sync = enabled and device.type == "cuda"
-        self.totals: dict[str, float] = {}
-        self.last: dict[str, float] = {}  # the latest duration of each phase
+    dart_head: the draft head (moved once to the target's device and dtype, `target.prepare_head`).
+    dart_streamer: a transformers streamer (transformers does not forward `streamer` to custom decoding callables).
+    dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
+    (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also means "auto").
+    dart_prompt_lookup: offer prompt-lookup continuations to the tree search; default: the head's config.
+    dart_timing: synchronise CUDA around phases so the phase times are exact.
+    dart_stats: a `DartStats` to fill (default: a new one); `dart_head.stats` points at it afterwards.
+    dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware statistics (default: the head's).
+    """
+    head = _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
+    cache = _empty_cache(model, model_kwargs)
+    use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
+    controller, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
+    stats = _start_stats(head, dart_stats, "auto" if controller else "fixed", budget)
+    timer = PhaseTimer(stats.time, head.device, dart_timing)
+    drafter = DartDrafter(head, model, max_length=generation_config.max_length, node_budget=budget,
+                          prompt_lookup=use_lookup, eos_token_ids=generation_config._eos_token_tensor)
+    output = _Output(generation_config)
+    accept = _acceptance_rule(generation_config, logits_processor, output.keep)
+    if dart_streamer is not None:
+        dart_streamer.put(input_ids.cpu())
 
-    @contextmanager
-    def phase(self, name: str):
-        if self.sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        yield
-        if self.sync:
-            torch.cuda.synchronize()
-        self.last[name] = time.perf_counter() - start
-        self.totals[name] = self.totals.get(name, 0.0) + self.last[name]
+    with dart_runtime(model, head) as runtime:
+        with timer.phase("prefill"):
+            raw, processed, first = _prefill(model, input_ids, cache, logits_processor, generation_config.do_sample)
+            drafter.advance(runtime.take_aux(), torch.cat([input_ids[:, 1:], first], dim=1))
+        input_ids, n_new, finished = _append(input_ids, first.view(-1), stopping_criteria, processed)
+        stats.new_tokens = n_new
+        output.add(processed, raw, n_new)
+        _stream(dart_streamer, input_ids, n_new)
+        while not finished:
+            step_start = time.perf_counter()
+            if controller is not None:
+                drafter.params.node_budget = controller.next_budget()
+            budget, past_len = drafter.params.node_budget, cache.get_seq_length()
+            tree = drafter.propose(input_ids, generation_config.max_length - input_ids.shape[1] - 1, timer)
+            tree = tree.to(model.device)
+            with timer.phase("verify"):
+                logits = verify_tree(model, tree, cache, past_len)
+                tree_aux = runtime.take_aux()
+            with timer.phase("accept"):
+                acc = accept(tree, logits, input_ids)
+                compact_cache(cache, past_len, acc.path)
+                drafter.advance(tree_aux[:, acc.path.to(tree_aux.device)], acc.tokens)
+                input_ids, n_new, finished = _append(input_ids, acc.tokens, stopping_criteria, acc.scores)
+            if controller is not None:
+                verify_s = timer.last["verify"] if timer.exact else None
+                controller.observe_tree(tree, acc.path, budget, time.perf_counter() - step_start, verify_s)
+            stats.record_step(n_new, budget)
+            output.add(acc.scores, acc.logits, n_new)
+            _stream(dart_streamer, input_ids, n_new)
+
+    if dart_streamer is not None:
+        dart_streamer.end()
+    stats.node_budget = controller.best() if controller is not None else budget
+    return output.result(input_ids, cache)
 
 
-def _check_supported(model, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
+# ------------------------------------------------------------------------------------------------ set-up
+def _check_call(model, head, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
+    """Refuse, with the argument to blame, every call the loop cannot run exactly; place the head."""
+    if not isinstance(head, DartHead):
+        raise TypeError(f"dart_decode needs dart_head=<DartHead>, got {type(head).__name__}")
+    if model_kwargs.get("synced_gpus"):
+        raise ValueError("DART decoding does not support synced_gpus")
     # beams / return sequences first: generate() has already expanded input_ids by them, and a "batch of 2"
     # error would blame the wrong argument
     if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
@@ -66,6 +131,71 @@ def _check_supported(model, input_ids: torch.Tensor, generation_config: Generati
             f"max_length {generation_config.max_length} (prompt {input_ids.shape[1]} + new tokens) exceeds the "
             f"target's context of {max_pos} positions"
         )
+    check_head_matches_target(head, model)
+    return prepare_head(head, model)
+
+
+def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
+    cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
+        raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled or static cache is not supported)")
+    return cache
+
+
+def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetController | None, int]:
+    """(the cost-aware controller or None, the first step's node budget)."""
+    if requested == "auto" or (requested is None and head.config.node_budget is None):
+        controller = budget_controller(head, model, prompt_lookup=use_lookup, state=state)
+        return controller, controller.max_budget
+    if isinstance(requested, str) or (requested is not None and int(requested) < 1):
+        raise ValueError(f'dart_node_budget must be a positive int or "auto", got {requested!r}')
+    return None, int(requested) if requested is not None else default_node_budget(head, model)
+
+
+def _start_stats(head: DartHead, stats: DartStats | None, budget_mode: str, budget: int) -> DartStats:
+    if stats is None:
+        stats = DartStats()
+    elif not isinstance(stats, DartStats):
+        raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
+    stats.reset(mode="tree", budget_mode=budget_mode, node_budget=budget)
+    head.stats = stats
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+def _prefill(model, input_ids, cache, logits_processor, do_sample: bool):
+    """(raw logits, processed scores, first new token [1, 1]) of the prompt, chosen as `generate` chooses it."""
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    raw = out.logits[:, -1].float()
+    processed = logits_processor(input_ids, raw.clone())
+    if do_sample:
+        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), 1)
+    return raw, processed, processed.argmax(dim=-1, keepdim=True)
+
+
+def _acceptance_rule(generation_config: GenerationConfig, logits_processor: LogitsProcessorList, keep_scores: bool):
+    """accept(tree, logits, input_ids) -> Accepted: the vectorised greedy rule when nothing processes the logits,
+    else the walk that applies the processors per visited node."""
+    do_sample = bool(generation_config.do_sample)
+    if not do_sample and len(logits_processor) == 0:
+        return lambda tree, logits, input_ids: accept_greedy(tree, logits, keep_scores)
+
+    def walk(tree: DraftTree, logits: torch.Tensor, input_ids: torch.Tensor) -> Accepted:
+        return accept_walk(tree, logits, input_ids, logits_processor, do_sample)
+
+    return walk
+
+
+def _append(input_ids, tokens: torch.Tensor, stopping_criteria: StoppingCriteriaList, scores):
+    """(input_ids + the new tokens up to the first stop, how many were kept, whether generation stops)."""
+    n_new = tokens.numel()
+    input_ids = torch.cat([input_ids, tokens.view(1, -1).to(input_ids.device)], dim=1)
+    stop = _first_stop(input_ids, n_new, stopping_criteria, scores)
+    if stop is None:
+        return input_ids, n_new, False
+    return input_ids[:, : input_ids.shape[1] - n_new + stop + 1], stop + 1, True
 
 
 def _first_stop(
@@ -97,160 +227,35 @@ def _first_stop(
     return None
 
 
-@torch.no_grad()
-def dart_decode(
-    model,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    dart_head: DartHead | None = None,
-    dart_streamer=None,
-    dart_node_budget: int | str | None = None,
-    dart_prompt_lookup: bool | None = None,
-    dart_timing: bool = False,
-    **model_kwargs,
-):
-    """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless).
+def _stream(streamer, input_ids: torch.Tensor, n_new: int) -> None:
+    if streamer is not None:
+        streamer.put(input_ids[0, input_ids.shape[1] - n_new :].cpu())
 
-    dart_head: the draft head. dart_streamer: a transformers streamer (transformers does not forward
-    `streamer` to custom decoding callables, so the routing passes it under this name).
-    dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
-    (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also means "auto").
-    dart_prompt_lookup: offer prompt-lookup continuations to the tree search (`dart_hf.core.prompt_lookup`); default:
-    the head's config (`prompt_lookup`).
-    dart_timing: synchronise CUDA around phases so `head.stats` timings are exact.
-    """
-    if not isinstance(dart_head, DartHead):
-        raise TypeError(f"dart_decode needs dart_head=<DartHead>, got {type(dart_head).__name__}")
-    if model_kwargs.get("synced_gpus"):
-        raise ValueError("DART decoding does not support synced_gpus")
-    head = dart_head
-    _check_supported(model, input_ids, generation_config, model_kwargs)
-    head.bind_target(model)
-    cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
-    if cache is None:
-        cache = DynamicCache(config=model.config)
-    if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
-        raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled or static cache is not supported)")
 
-    do_sample = bool(generation_config.do_sample)
-    fast_greedy = not do_sample and len(logits_processor) == 0
-    keep_scores = bool(generation_config.return_dict_in_generate) and bool(
-        generation_config.output_scores or generation_config.output_logits
-    )
-    eos = generation_config._eos_token_tensor
-    eos = eos.to(head.device).view(-1) if eos is not None else None
-    use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
-    controller = None
-    if dart_node_budget == "auto" or (dart_node_budget is None and head.config.node_budget is None):
-        from .budget import budget_controller
+# ------------------------------------------------------------------------------------------------ output
+class _Output:
+    """The processed scores / raw logits of every new token when `return_dict_in_generate` asks for them."""
 
-        controller = budget_controller(head, model, prompt_lookup=use_lookup)
-        budget = controller.max_budget
-    elif isinstance(dart_node_budget, str) or (dart_node_budget is not None and int(dart_node_budget) < 1):
-        raise ValueError(f'dart_node_budget must be a positive int or "auto", got {dart_node_budget!r}')
-    else:
-        budget = dart_node_budget or head.node_budget_for(model)
-    params = TreeSearchParams.from_config(head.config, node_budget=budget)
-    budgets: list[int] = []
-    ngram = head.ngram.to(head.device) if head.ngram is not None else None
-    draft_to_target = head.draft_to_target
-    timer = StepTimer(head.device, dart_timing)
-    exact_verify_time = model.device.type == "cpu" or timer.sync  # else phase times are launch times only
-    all_scores, all_logits, accepted_lengths = [], [], []
-    if dart_streamer is not None:
-        dart_streamer.put(input_ids.cpu())
+    def __init__(self, generation_config: GenerationConfig):
+        self.config = generation_config
+        self.keep = bool(generation_config.return_dict_in_generate) and bool(
+            generation_config.output_scores or generation_config.output_logits
+        )
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
 
-    with AuxHiddenCapture(model, head.config.aux_layer_ids) as capture, few_row_linears(model, head):
-        with timer.phase("prefill"):
-            out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-            raw = out.logits[:, -1].float()
-            processed = logits_processor(input_ids, raw.clone())
-            if do_sample:
-                first = torch.multinomial(torch.softmax(processed, dim=-1), 1)
-            else:
-                first = processed.argmax(dim=-1, keepdim=True)
-            aux = capture.take(head.device)
-        if keep_scores:
-            all_scores.append(processed)
-            all_logits.append(raw)
-        input_ids = torch.cat([input_ids, first.to(input_ids.device)], dim=1)
-        if dart_streamer is not None:
-            dart_streamer.put(first.cpu())
-        head_cache = head.new_cache(capacity=generation_config.max_length + head.config.num_predictions)
-        next_tokens = input_ids[:, 1:]
-        finished = _first_stop(input_ids, 1, stopping_criteria, processed) is not None
+    def add(self, scores: torch.Tensor | None, logits: torch.Tensor | None, n_new: int) -> None:
+        """Rows [n, vocab] of the step's tokens; the first `n_new` are kept (the rest followed a stop)."""
+        if self.keep:
+            self.scores.extend(scores[:n_new].unsqueeze(1))
+            self.logits.extend(logits[:n_new].unsqueeze(1))
 
-        while not finished:
-            step_start = time.perf_counter()
-            if controller is not None:
-                params.node_budget = controller.next_budget()
-            remaining = generation_config.max_length - input_ids.shape[1]
-            past_len = cache.get_seq_length()
-            with timer.phase("draft"):
-                depth = max(1, min(params.node_budget, remaining - 1, head.config.num_predictions))
-                draft_logits = head.draft(aux, next_tokens.to(head.device), head_cache, depth=depth)
-            with timer.phase("tree"):
-                lookup = lookup_for_tree(input_ids[0], depth, head.config, head.device) if use_lookup else None
-                tree = build_tree(
-                    draft_logits,
-                    root_token=input_ids[0, -1],
-                    context=input_ids[0, -8:],
-                    params=params,
-                    ngram=ngram,
-                    draft_to_target=draft_to_target,
-                    eos_token_ids=eos,
-                    max_depth=remaining - 1,
-                    lookup=lookup,
-                )
-                tree = tree.to(model.device)
-            with timer.phase("verify"):
-                logits = verify_tree(model, tree, cache, past_len)
-                tree_aux = capture.take(head.device)
-            with timer.phase("accept"):
-                if fast_greedy:
-                    acc: Accepted = accept_greedy(tree, logits, keep_scores)
-                else:
-                    acc = accept_walk(tree, logits, input_ids, logits_processor, do_sample)
-                compact_cache(cache, past_len, acc.path)
-                aux = tree_aux[:, acc.path.to(tree_aux.device)]
-                next_tokens = acc.tokens.view(1, -1)
-                input_ids = torch.cat([input_ids, acc.tokens.view(1, -1).to(input_ids.device)], dim=1)
-                n_new = acc.tokens.numel()
-                stop = _first_stop(input_ids, n_new, stopping_criteria, acc.scores)
-                if stop is not None:
-                    input_ids = input_ids[:, : input_ids.shape[1] - n_new + stop + 1]
-                    n_new, finished = stop + 1, True
-            if controller is not None:
-                verify_s = timer.last["verify"] if exact_verify_time else None
-                controller.observe_tree(tree, acc.path, params.node_budget, time.perf_counter() - step_start, verify_s)
-            budgets.append(params.node_budget)
-            accepted_lengths.append(n_new)
-            if keep_scores:
-                all_scores.extend(acc.scores[:n_new].unsqueeze(1))
-                all_logits.extend(acc.logits[:n_new].unsqueeze(1))
-            if dart_streamer is not None:
-                dart_streamer.put(input_ids[0, input_ids.shape[1] - n_new :].cpu())
-
-    if dart_streamer is not None:
-        dart_streamer.end()
-    steps = len(accepted_lengths)
-    head.stats = {
-        "steps": steps,
-        "new_tokens": 1 + sum(accepted_lengths),
-        "accepted_lengths": accepted_lengths,
-        "mean_accepted_length": sum(accepted_lengths) / steps if steps else 0.0,
-        "node_budget": controller.best() if controller is not None else params.node_budget,
-        "node_budgets": budgets,
-        "budget_mode": "auto" if controller is not None else "fixed",
-        "time": dict(timer.totals),
-    }
-    if generation_config.return_dict_in_generate:
+    def result(self, input_ids: torch.Tensor, cache: DynamicCache):
+        if not self.config.return_dict_in_generate:
+            return input_ids
         return GenerateDecoderOnlyOutput(
             sequences=input_ids,
-            scores=tuple(all_scores) if generation_config.output_scores else None,
-            logits=tuple(all_logits) if generation_config.output_logits else None,
-            cache=cache if generation_config.use_cache else None,
+            scores=tuple(self.scores) if self.config.output_scores else None,
+            logits=tuple(self.logits) if self.config.output_logits else None,
+            cache=cache if self.config.use_cache else None,
         )
-    return input_ids

@@ -13,11 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration import DartConfig, default_aux_layer_ids
-
-
-def text_config(target: PreTrainedModel):
-    return target.config.get_text_config()
+from .configuration import check_config_matches_target, dart_config_for_target  # noqa: F401 (re-exported)
 
 
 def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
@@ -32,70 +28,11 @@ def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def _rope_parameters(cfg) -> dict:
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3): the head attends globally
-        rope = dict(rope["full_attention"])
-    if "rope_theta" not in rope:
-        rope["rope_theta"] = float(getattr(cfg, "rope_theta", 10000.0))
-    rope.setdefault("rope_type", "default")
-    return rope
-
-
-def dart_config_for_target(
-    target: PreTrainedModel, draft_length: int = 7, draft_vocab_size: int | None = None, **overrides
-) -> DartConfig:
-    """A DartConfig whose layer has the target's width, heads and RoPE (EAGLE-3 / DART sizing)."""
-    if target.config.is_encoder_decoder:
-        raise ValueError("DART drafts for decoder-only targets; got an encoder-decoder model")
-    cfg = text_config(target)
-    n_layers = cfg.num_hidden_layers
-    fields = dict(
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-        rope_parameters=_rope_parameters(cfg),
-        max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
-        vocab_size=cfg.vocab_size,
-        draft_vocab_size=draft_vocab_size,
-        draft_length=draft_length,
-        target_hidden_size=cfg.hidden_size,
-        target_num_layers=n_layers,
-        target_model_type=cfg.model_type,
-        aux_layer_ids=default_aux_layer_ids(n_layers),
-    )
-    fields.update(overrides)
-    return DartConfig(**fields)
-
-
 def check_head_matches_target(head, target: PreTrainedModel) -> None:
-    """Raise a ValueError naming the first field where the head and the target disagree."""
-    if target.config.is_encoder_decoder:
-        raise ValueError("DART drafts for decoder-only targets; got an encoder-decoder model")
-    hc, tc = head.config, text_config(target)
-    checks = [
-        ("hidden size", hc.target_hidden_size, tc.hidden_size),
-        ("vocab size", hc.vocab_size, tc.vocab_size),
-        ("number of layers", hc.target_num_layers, tc.num_hidden_layers),
-    ]
-    if hc.target_model_type is not None:
-        checks.append(("model type", hc.target_model_type, tc.model_type))
-    for what, built_for, got in checks:
-        if built_for != got:
-            override = " (set head.config.target_model_type = None to override)" if what == "model type" else ""
-            raise ValueError(
-                f"DART head was built for a target with {what} {built_for!r}, but this target has {got!r}{override}"
-            )
-    n_layers = len(decoder_layers(target))
-    if any(not 0 <= i < n_layers for i in hc.aux_layer_ids):
-        raise ValueError(f"aux_layer_ids {hc.aux_layer_ids} do not exist in a target with {n_layers} layers")
-    if hc.uses_target_lm_head:
-        out = target.get_output_embeddings()
-        if out is None or out.weight.shape[0] != hc.vocab_size:
-            raise ValueError("a head tied to the target lm_head needs a target lm_head over the full vocab")
+    """Raise a ValueError naming the first field where the head and the target disagree
+    (`check_config_matches_target`), and a TypeError when the target has no decoder layers to capture."""
+    check_config_matches_target(head.config, target)
+    decoder_layers(target)
 
 
 class AuxHiddenCapture:
@@ -164,6 +101,12 @@ def head_placement(target: PreTrainedModel) -> tuple[torch.device, torch.dtype]:
 
 
 def prepare_head(head: nn.Module, target: PreTrainedModel) -> nn.Module:
-    """Move and cast `head` (in place, as `nn.Module.to` does) for `target`; integer buffers keep their dtype."""
+    """Move and cast `head` (in place, as `nn.Module.to` does) for `target`; integer buffers keep their dtype.
+
+    `generate(assistant_model=head)` calls this on every call: the first call with a target moves the user's head
+    (once), later calls find it in place and change nothing."""
     device, dtype = head_placement(target)
+    weight = next(head.parameters())
+    if weight.device == device and weight.dtype == dtype:
+        return head
     return head.to(device=device, dtype=dtype)

@@ -1,99 +1,139 @@
-"""How `target.generate(..., assistant_model=DartHead)` reaches the DART loop.
+"""How `target.generate(..., assistant_model=DartHead)` and pipelines reach DART.
 
-`import dart_hf` wraps two methods of `transformers.GenerationMixin`, and nothing else:
+`import dart_hf` wraps two methods of `transformers.GenerationMixin` and one pipeline helper, and nothing else:
 
-- `generate`: when `assistant_model` is a `DartHead`, the call is forwarded unchanged to the original
-  `generate` with `custom_generate=dart_decode` (transformers' own hook for a decoding-method callable), so
-  transformers still prepares the GenerationConfig, processors, stopping criteria and cache. `streamer` is
-  passed as `dart_streamer` because transformers does not forward it to custom callables.
-  `dart_mode="chain"` instead runs transformers' own assisted-decoding loop with the head as a chain drafter.
-  Any other call goes to the original `generate` untouched.
-- `_get_candidate_generator`: returns a `DartCandidateGenerator` when the assistant is a `DartHead` (chain
-  mode), and defers to the original otherwise.
+- `generate`: when `assistant_model` is a `DartHead`, the call is forwarded to the original `generate` with
+  `custom_generate=dart_decode` (transformers' own hook for a decoding-method callable), so transformers still
+  prepares the GenerationConfig, processors, stopping criteria and cache. `streamer` is passed as `dart_streamer`
+  because transformers does not forward it to custom callables, and stop strings become a `StopStringCriteria`
+  here because transformers drops `tokenizer` for custom callables. `dart_mode="chain"` instead runs transformers'
+  own assisted-decoding loop with the head as a chain drafter, inside one `dart_runtime` that is undone when
+  `generate` returns. Any other call goes to the original `generate` untouched.
+- `_get_candidate_generator`: returns a `DartCandidateGenerator` when the assistant is a `DartHead` (chain mode),
+  and defers to the original otherwise.
+- `transformers.pipelines.base.load_assistant_model`: accepts a `DartHead` (it shares the target's tokenizer by
+  construction; the original compares special-token ids the head's config does not have), so
+  `pipeline(..., assistant_model=head)` works.
 """
 
 from __future__ import annotations
 
+import contextvars
+import copy
 import functools
-import weakref
+import time
+from dataclasses import dataclass
 
 import torch
-from transformers import GenerationMixin
+import transformers.pipelines.base as pipelines_base
+from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..core.drafter import DartDrafter, default_node_budget
 from ..core.loop import dart_decode
 from ..core.modeling import DartHead
-from ..core.prompt_lookup import lookup_for_tree
-from ..core.target import AuxHiddenCapture, check_head_matches_target
-from ..core.tree import TreeSearchParams, build_tree
+from ..core.runtime import DartRuntime, dart_runtime
+from ..core.stats import DartStats, PhaseTimer
+from ..core.target import check_head_matches_target, prepare_head
 
 MODES = ("tree", "chain")
+
+
+@dataclass
+class _ChainCall:
+    """What the chain-mode `generate` call set up for the candidate generator transformers builds inside it."""
+
+    runtime: DartRuntime
+    stats: DartStats
+    node_budget: int
+
+
+_CHAIN_CALL: contextvars.ContextVar[_ChainCall | None] = contextvars.ContextVar("dart_chain_call", default=None)
 
 
 class DartCandidateGenerator(CandidateGenerator):
     """The head as a chain drafter inside transformers' `_assisted_decoding` loop.
 
-    Each call drafts K+1 tokens, builds the tree and proposes its best deepest path; transformers verifies it
-    (greedy match or exact sampling of a deterministic draft). The target states come from forward pre-hooks,
-    removed when this generator is garbage collected at the end of `generate`.
+    Each call proposes the best deepest path of the drafter's tree (`DartDrafter`, the same draft + tree search as
+    the tree loop); transformers verifies it (greedy match or exact sampling of a deterministic draft). After each
+    target forward, `update_candidate_strategy` hands the verified positions' states to the drafter.
     """
 
     requires_model_outputs = True
     model_kwargs_overrides: dict = {}
 
-    def __init__(self, head: DartHead, target, generation_config, node_budget: int | None = None):
-        head.bind_target(target)
-        self.head = head
+    def __init__(self, head: DartHead, target, generation_config, call: _ChainCall):
+        self.runtime, self.stats, self.node_budget = call.runtime, call.stats, call.node_budget
         self.max_length = generation_config.max_length
-        self.capture = AuxHiddenCapture(target, head.config.aux_layer_ids)
-        weakref.finalize(self, self.capture.remove)
-        self.head_cache = head.new_cache(capacity=self.max_length + head.config.num_predictions)
-        self.params = TreeSearchParams.from_config(head.config, node_budget=node_budget or head.node_budget_for(target))
-        self.ngram = head.ngram.to(head.device) if head.ngram is not None else None
-        eos = generation_config._eos_token_tensor
-        self.eos = eos.to(head.device).view(-1) if eos is not None else None
-        self.proposed = self.accepted = self.calls = 0
+        self.drafter = DartDrafter(head, target, max_length=self.max_length, node_budget=call.node_budget,
+                                   prompt_lookup=head.config.prompt_lookup,
+                                   eos_token_ids=generation_config._eos_token_tensor)
+        self.timer = PhaseTimer(call.stats.time, head.device)
+        self.seen = 0  # positions whose target states the drafter has received
+        self._proposed_at = 0.0
 
     def get_candidates(self, input_ids: torch.LongTensor, is_first_iteration: bool = False, **kwargs):
-        if is_first_iteration:  # the target has not run yet: let its prefill produce the states we read
-            return input_ids, None
-        head_len = self.head_cache.length
-        new_rows = input_ids.shape[1] - 1 - head_len
-        aux = self.capture.take(self.head.device)[:, :new_rows]
-        next_tokens = input_ids[:, head_len + 1 :].to(self.head.device)
-        draft_logits = self.head.draft(aux, next_tokens, self.head_cache)
-        depth = min(self.head.config.num_predictions, self.max_length - input_ids.shape[1] - 1)
-        if depth <= 0:
-            return input_ids, None
-        cfg = self.head.config
-        tree = build_tree(
-            draft_logits,
-            root_token=input_ids[0, -1],
-            context=input_ids[0, -8:],
-            params=self.params,
-            ngram=self.ngram,
-            draft_to_target=self.head.draft_to_target,
-            eos_token_ids=self.eos,
-            max_depth=depth,
-            lookup=lookup_for_tree(input_ids[0], depth, cfg, self.head.device) if cfg.prompt_lookup else None,
-        )
-        chain = tree.tokens[tree.best_chain()[1:]].to(input_ids.device)
-        self.calls += 1
-        self.proposed += chain.numel()
-        return torch.cat([input_ids, chain.unsqueeze(0)], dim=1), None
+        max_new = self.max_length - input_ids.shape[1] - 1
+        if not is_first_iteration and max_new > 0:  # first: the target's prefill produces the states we read
+            tree = self.drafter.propose(input_ids, max_new, self.timer)
+            chain = tree.tokens[tree.best_chain()[1:]].to(input_ids.device)
+            input_ids = torch.cat([input_ids, chain.unsqueeze(0)], dim=1)
+        self._proposed_at = time.perf_counter()
+        return input_ids, None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        self.accepted += int(num_matches)
-        self.head.stats = {
-            "steps": self.calls,
-            "proposed": self.proposed,
-            "accepted_draft_tokens": self.accepted,
-            "mean_accepted_length": (self.accepted + self.calls) / max(self.calls, 1),
-        }
+        first = self.seen == 0
+        self.timer.add("prefill" if first else "verify", time.perf_counter() - self._proposed_at)
+        rows = input_ids.shape[1] - 1 - self.seen
+        self.drafter.advance(self.runtime.take_aux()[:, :rows], input_ids[:, self.seen + 1 :])
+        self.seen += rows
+        if first:
+            self.stats.new_tokens = 1
+        else:
+            self.stats.record_step(int(num_matches) + 1, self.node_budget)
 
 
 _original_generate = GenerationMixin.generate
 _original_get_candidate_generator = GenerationMixin._get_candidate_generator
+_original_load_assistant_model = pipelines_base.load_assistant_model
+
+
+def _stop_strings_as_criteria(model, kwargs: dict) -> None:
+    """Turn `stop_strings` + `tokenizer` into a `StopStringCriteria` among the stopping criteria, in place.
+
+    transformers drops `tokenizer` before a `custom_generate` callable, and then refuses stop strings without one;
+    the criterion it would have built is the same object, so the output is plain `generate`'s."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.get("stop_strings", getattr(config, "stop_strings", None))
+    if tokenizer is None or stop_strings is None:
+        return  # without a tokenizer transformers raises its own error
+    kwargs.pop("stop_strings", None)
+    if getattr(config, "stop_strings", None) is not None:
+        config = copy.deepcopy(config)
+        config.stop_strings = None
+        kwargs["generation_config"] = config
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+
+
+def _chain_generate(model, head: DartHead, args, kwargs):
+    """transformers' assisted decoding with the head as chain drafter, inside one runtime for the whole call."""
+    stats = kwargs.pop("dart_stats", None) or DartStats()
+    if not isinstance(stats, DartStats):
+        raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
+    prepare_head(head, model)
+    budget = default_node_budget(head, model)
+    stats.reset(mode="chain", budget_mode="auto" if head.config.node_budget is None else "fixed", node_budget=budget)
+    head.stats = stats
+    with dart_runtime(model, head) as runtime:
+        token = _CHAIN_CALL.set(_ChainCall(runtime, stats, budget))
+        try:
+            return _original_generate(model, *args, assistant_model=head, **kwargs)
+        finally:
+            _CHAIN_CALL.reset(token)
 
 
 @functools.wraps(_original_generate)
@@ -109,7 +149,8 @@ def _generate(self, *args, assistant_model=None, **kwargs):
     # misleading advice (e.g. "different tokenizers" for a vocab mismatch)
     check_head_matches_target(assistant_model, self)
     if mode == "chain":
-        return _original_generate(self, *args, assistant_model=assistant_model, **kwargs)
+        return _chain_generate(self, assistant_model, args, kwargs)
+    _stop_strings_as_criteria(self, kwargs)
     streamer = kwargs.pop("streamer", None)
     return _original_generate(
         self, *args, custom_generate=dart_decode, dart_head=assistant_model, dart_streamer=streamer, **kwargs
@@ -118,12 +159,26 @@ def _generate(self, *args, assistant_model=None, **kwargs):
 
 @functools.wraps(_original_get_candidate_generator)
 def _get_candidate_generator(self, generation_config, *args, assistant_model=None, **kwargs):
+    if not isinstance(assistant_model, DartHead):
+        return _original_get_candidate_generator(
+            self, generation_config, *args, assistant_model=assistant_model, **kwargs
+        )
+    call = _CHAIN_CALL.get()
+    if call is None:
+        raise RuntimeError("DART chain mode runs through target.generate(..., assistant_model=head, dart_mode='chain')")
+    return DartCandidateGenerator(assistant_model, self, generation_config, call)
+
+
+@functools.wraps(_original_load_assistant_model)
+def _load_assistant_model(model, assistant_model, assistant_tokenizer):
     if isinstance(assistant_model, DartHead):
-        return DartCandidateGenerator(assistant_model, self, generation_config)
-    return _original_get_candidate_generator(self, generation_config, *args, assistant_model=assistant_model, **kwargs)
+        check_head_matches_target(assistant_model, model)
+        return assistant_model, None  # the head drafts in the target's own vocabulary
+    return _original_load_assistant_model(model, assistant_model, assistant_tokenizer)
 
 
 def install() -> None:
     """Route DartHead assistants (idempotent; called by `import dart_hf`)."""
     GenerationMixin.generate = _generate
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    pipelines_base.load_assistant_model = _load_assistant_model
