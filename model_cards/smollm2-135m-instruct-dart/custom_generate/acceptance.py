@@ -1,14 +1,18 @@
-# Generated from dart_hf/acceptance.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
-"""Choosing which draft tokens the target accepts (spec section 4). Both rules are lossless.
+"""Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Both rules are lossless.
 
 - `accept_greedy`: no logits processors, greedy. Vectorised over the whole tree: a node is accepted when its
   token equals the target's argmax at every ancestor; the deepest accepted node ends the path.
 - `accept_walk`: the general rule, for sampling and for greedy with processors (repetition penalty,
   min-length, ...). It walks from the root and applies the user's processors at each visited node with that
-  node's exact context, as plain `generate` would. At a node with distribution p, children are tried in
-  order: child x is accepted with probability p(x) / (mass not yet rejected); if all are rejected the bonus
-  token is drawn from p with the rejected children removed. Each output token is thus distributed exactly as
-  p: the children are distinct, deterministic proposals. The per-child trials are one vectorised cumsum.
+  node's exact context, as plain `generate` would. At each node it picks the target's own next token x exactly
+  as plain `generate` does (argmax, or softmax + one `torch.multinomial` draw); when a child carries x the walk
+  descends, else x is the bonus token and the step ends.
+
+Why this sampling rule: it is ancestral sampling from the target, so every token is distributed exactly as the
+target's processed distribution whatever the tree; a drafted child is accepted with probability p(child), the
+same as the spec's child-by-child rejection walk; and it draws one multinomial per emitted token, like plain
+`generate`. The random stream therefore no longer depends on the tree (its size, the node budget, the head): the
+same seed and inputs give the same text on every call.
 """
 
 from __future__ import annotations
@@ -45,26 +49,11 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor, keep_scores: bool = Fal
     return Accepted(path=path, tokens=tokens, scores=rows, logits=rows)
 
 
-def _choose_at_node(
-    probs: torch.Tensor, child_tokens: torch.Tensor, do_sample: bool, generator: torch.Generator | None
-) -> tuple[int, int | None]:
-    """(index of the accepted child or -1, bonus token when no child is accepted)."""
+def _next_token(processed: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token after scores `processed` [1, vocab], chosen as `GenerationMixin._sample` chooses it."""
     if not do_sample:
-        choice = int(probs.argmax())
-        hit = (child_tokens == choice).nonzero()
-        return (int(hit[0, 0]), None) if hit.numel() else (-1, choice)
-    if child_tokens.numel():
-        p_children = probs[child_tokens]
-        rejected_before = torch.cat([p_children.new_zeros(1), p_children.cumsum(0)[:-1]])
-        accept_prob = p_children / (1.0 - rejected_before).clamp(min=1e-20)
-        draws = torch.rand(child_tokens.numel(), generator=generator, device="cpu").to(probs.device)
-        hits = (draws < accept_prob).nonzero()
-        if hits.numel():
-            return int(hits[0, 0]), None
-        probs = probs.clone()
-        probs[child_tokens] = 0.0
-    bonus = torch.multinomial(probs / probs.sum(), 1, generator=generator if probs.device.type == "cpu" else None)
-    return -1, int(bonus)
+        return processed.argmax(dim=-1)
+    return torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1, generator=generator).squeeze(1)
 
 
 def accept_walk(
@@ -75,28 +64,27 @@ def accept_walk(
     do_sample: bool,
     generator: torch.Generator | None = None,
 ) -> Accepted:
-    """Walk the tree applying `logits_processor` with each visited node's own context (input_ids + path)."""
-    parents = tree.parents
+    """Walk the tree applying `logits_processor` with each visited node's own context (input_ids + path).
+    One host sync per visited node (does a child carry the chosen token?)."""
+    tokens, parents = tree.tokens, tree.parents
     is_child = torch.ones_like(parents, dtype=torch.bool)
     is_child[0] = False
     node, path, new_tokens, scores = 0, [0], [], []
     while True:
-        context = torch.cat([input_ids, tree.tokens[path[1:]].unsqueeze(0)], dim=1)
-        processed = logits_processor(context, logits[node : node + 1].clone())[0]
-        scores.append(processed)
-        probs = torch.softmax(processed.float(), dim=-1) if do_sample else processed
-        kids = ((parents == node) & is_child).nonzero().squeeze(1)
-        chosen, bonus = _choose_at_node(probs, tree.tokens[kids], do_sample, generator)
-        if chosen < 0:
-            new_tokens.append(bonus)
+        context = torch.cat([input_ids, tokens[path[1:]].unsqueeze(0).to(input_ids.device)], dim=1)
+        processed = logits_processor(context, logits[node : node + 1].clone())
+        scores.append(processed[0])
+        chosen = _next_token(processed, do_sample, generator)
+        new_tokens.append(chosen)
+        hit = ((parents == node) & is_child & (tokens == chosen)).nonzero()
+        if not hit.numel():
             break
-        node = int(kids[chosen])
+        node = int(hit[0, 0])
         path.append(node)
-        new_tokens.append(int(tree.tokens[node]))
     path_t = torch.tensor(path, device=logits.device)
     return Accepted(
         path=path_t,
-        tokens=torch.tensor(new_tokens, device=logits.device),
+        tokens=torch.cat(new_tokens).to(logits.device),
         scores=torch.stack(scores),
         logits=logits[path_t],
     )

@@ -1,15 +1,14 @@
-# Generated from dart_hf/cpu_linear.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
 """Few-row fp32 `nn.Linear` on CPU: the matmul layout that makes a small tree cost about one token.
 
-Why: for `x @ W.T` with a few rows, MKL's sgemm packs the weight before multiplying, so on a 2-core AVX-512 CPU a
-4-token SmolLM2-135M forward took ~1.7x a 1-token one (74-88 vs 46-49 ms) although both are bound by streaming
-the weights once. Computing `(W @ x.T).T` puts the weight in the operand MKL streams without packing: 4 tokens
-then cost 46-51 ms, 8 tokens 62 ms instead of 70-79 (BENCHMARKS.md has the verify cost curve). From ~10 rows
-the packed kernel is as fast, so larger inputs, the 1-row decode and the prefill keep `F.linear`.
+Why: for `x @ W.T` with a few rows, MKL's sgemm packs the weight before multiplying, so on a small CPU a few-token
+forward cost well over a 1-token one although both are bound by streaming the weights once. Computing `(W @ x.T).T`
+puts the weight in the operand MKL streams without packing, so a small tree verifies in about the time of one decode
+step (BENCHMARKS.md has the verify cost curve). From about MAX_ROWS rows the packed kernel is as fast, so larger
+inputs, the 1-row decode and the prefill keep `F.linear`.
 
-`few_row_linears(*models)` installs this for the duration of one DART generation on the fp32 CPU `nn.Linear`
-layers of the target and the head, and restores them on exit. Results differ from `F.linear` only in float
-rounding order, as any N-token forward already differs from N one-token forwards.
+`few_row_linears(*models)` installs this on the fp32 CPU `nn.Linear` layers of the given models and restores them on
+exit; `dart_hf.core.runtime` enters it once per DART call, for the target and the head. Results differ from
+`F.linear` only in float rounding order, as any N-token forward already differs from N one-token forwards.
 """
 
 from __future__ import annotations

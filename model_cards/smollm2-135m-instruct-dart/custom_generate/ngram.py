@@ -1,12 +1,15 @@
-# Generated from dart_hf/ngram.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
 """`NGramModel`: back-off n-gram probabilities, stored as sorted key arrays and looked up in batches.
 
 An n-gram (t_1..t_m) is packed into one int64 key `sum(t_i * V ** (m - i))` (V = vocab size), so a table is
 a sorted key array plus a count array and a lookup is one `torch.searchsorted` over a whole batch of
 (context, candidate) pairs, on whatever device the draft logits live. No Python loop over candidates.
 
-P(x | context) uses the longest suffix of `context` that was seen as a context in the corpus:
-count(suffix + x) / count(suffix + anything); 0 when x never followed it (spec section 5).
+P(x | context) follows the reference `TrieNgram::get_probability` (docs/DART_SPEC.md §3, §5) candidate by
+candidate: the longest suffix s of the last `order - 1` context tokens (1 token at least) such that s was seen
+AND s + x was seen gives count(s + x) / count(s), where count(s) is the n-gram's own occurrence count (the trie
+node's freq, which also counts occurrences at the very end of a document). A candidate never seen after any
+suffix gets 0: there is no unigram level. Two candidates of the same context may therefore back off to
+different suffix lengths.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-FORMAT = "dart_hf.ngram"
+FORMAT = "dart_hf.ngram"  # a file-format id written into every ngram.safetensors: never follows module renames
 FILE_NAME = "ngram.safetensors"
 _COMPACT_EVERY = 20_000_000  # pending keys before an intermediate np.unique (bounds memory on big corpora)
 
@@ -58,12 +61,13 @@ class _CountTable:
         self.pending, self.pending_size = [], 0
 
 
-def _lookup(sorted_keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """values[key] for each query key, 0 where absent."""
+def _lookup(sorted_keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(found, values[key]) for each query key; value 0 where absent."""
     if sorted_keys.numel() == 0:
-        return torch.zeros_like(query)
+        return torch.zeros_like(query, dtype=torch.bool), torch.zeros_like(query)
     idx = torch.searchsorted(sorted_keys, query).clamp_(max=sorted_keys.numel() - 1)
-    return torch.where(sorted_keys[idx] == query, values[idx], torch.zeros_like(query))
+    found = sorted_keys[idx] == query
+    return found, torch.where(found, values[idx], torch.zeros_like(query))
 
 
 class NGramModel:
@@ -93,7 +97,9 @@ class NGramModel:
 
         `vocab_size` defaults to max id + 1; pass the target's vocab size so keys match the head's tokens.
         `min_count` drops 2..order-grams seen fewer times (most of a big table, little of its signal), which
-        keeps the file small enough to ship next to a head; contexts then back off to shorter n-grams.
+        keeps the file small enough to ship next to a head; contexts then back off to shorter n-grams. The kept
+        counts are unchanged (a reference trie built from the same sequences has the same node freqs), and every
+        prefix of a kept n-gram is kept, since it is at least as frequent: a context's own count is always there.
         """
         seqs = [np.asarray(s, dtype=np.int64) for s in sequences]
         if eos_token_id is not None:
@@ -118,7 +124,11 @@ class NGramModel:
 
     @classmethod
     def from_counts(cls, order: int, vocab_size: int, grams: dict[str, torch.Tensor]) -> "NGramModel":
-        """From `keys_m` / `counts_m` tables (m = 1..order; keys sorted); derives the context totals."""
+        """From `keys_m` / `counts_m` tables (m = 1..order): each m-gram's own occurrence count.
+
+        The context count of an m-gram is the (m-1)-gram's own entry, so every prefix of a listed n-gram must be
+        listed too (true of a trie and of `build`, whose pruning keeps prefixes: a prefix is at least as frequent).
+        """
         tables = {}
         for m in range(1, order + 1):
             keys, counts = grams[f"keys_{m}"].long(), grams[f"counts_{m}"].long()
@@ -126,10 +136,6 @@ class NGramModel:
                 order_idx = torch.argsort(keys)
                 keys, counts = keys[order_idx], counts[order_idx]
             tables[f"keys_{m}"], tables[f"counts_{m}"] = keys, counts
-            if m > 1:
-                ctx_keys, inverse = torch.unique(keys // vocab_size, return_inverse=True)
-                totals = torch.zeros(ctx_keys.numel(), dtype=torch.long).index_add_(0, inverse, counts)
-                tables[f"ctx_keys_{m}"], tables[f"ctx_totals_{m}"] = ctx_keys, totals
         return cls(order, vocab_size, tables)
 
     # ------------------------------------------------------------------ persistence
@@ -157,11 +163,12 @@ class NGramModel:
             raise ValueError(f"{path} is not a dart_hf n-gram file (metadata format={meta.get('format')!r})")
         order, vocab = int(meta["order"]), int(meta["vocab_size"])
         needed = [f"{p}_{m}" for m in range(1, order + 1) for p in ("keys", "counts")]
-        needed += [f"{p}_{m}" for m in range(2, order + 1) for p in ("ctx_keys", "ctx_totals")]
         missing = [k for k in needed if k not in tables]
         if missing:
             raise ValueError(f"{path} is missing n-gram tables {missing}")
-        return cls(order, vocab, tables)
+        # files written before the reference back-off also hold ctx_keys_m / ctx_totals_m (sums of continuations):
+        # the counts are the same, the context count is now the (m-1)-gram's own entry, so those are dropped
+        return cls(order, vocab, {k: tables[k] for k in needed})
 
     def to(self, device: str | torch.device) -> "NGramModel":
         if all(t.device == torch.device(device) for t in self.tables.values()):
@@ -173,37 +180,41 @@ class NGramModel:
         return self.tables["keys_1"].device
 
     # ------------------------------------------------------------------ lookup
+    @property
+    def context_size(self) -> int:
+        """How many trailing tokens a lookup reads (order - 1): pass at least that many as `context`."""
+        return self.order - 1
+
     def prob(self, context: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """P(candidate | context) with back-off, batched.
+        """P(candidate | context), batched, backed off per (row, candidate) as the reference does.
 
         `context` [N, c] holds the last c tokens before the candidates (-1 marks "no token", e.g. before the
-        start of the text); only the last order-1 are used. `candidates` [N, C]. Returns float [N, C].
+        start of the text); only the last `context_size` are used. `candidates` [N, C]. Returns float32 [N, C],
+        computed as the reference does in float32: count(s + x) * (1 / count(s)).
         """
         n, c = context.shape
-        need = self.order - 1
+        need = self.context_size
+        probs = torch.zeros(candidates.shape, dtype=torch.float32, device=candidates.device)
+        if need == 0:
+            return probs  # a unigram table has no context to condition on; the reference gives 0
         if c < need:
             context = torch.cat([context.new_full((n, need - c), -1), context], dim=1)
-        context = context[:, context.shape[1] - need :] if need else context[:, :0]
+        context = context[:, context.shape[1] - need :].long()
         v = self.vocab_size
-        probs = torch.zeros(candidates.shape, dtype=torch.float32, device=candidates.device)
-        resolved = torch.zeros(n, dtype=torch.bool, device=candidates.device)
-        for m in range(self.order, 0, -1):  # longest context first; `order` iterations, not per token
-            ctx = context[:, need - (m - 1) :]
-            valid = (ctx >= 0).all(dim=1) & ~resolved
-            if m > 1:
-                ctx_key = torch.zeros(n, dtype=torch.long, device=ctx.device)
-                for i in range(m - 1):
-                    ctx_key = ctx_key * v + ctx[:, i].clamp(min=0)
-                total = _lookup(self.tables[f"ctx_keys_{m}"], self.tables[f"ctx_totals_{m}"], ctx_key)
-            else:
-                ctx_key = torch.zeros(n, dtype=torch.long, device=ctx.device)
-                total = torch.full((n,), self.total, dtype=torch.long, device=ctx.device)
-            use = valid & (total > 0)
-            keys = ctx_key.unsqueeze(1) * v + candidates
-            counts = _lookup(self.tables[f"keys_{m}"], self.tables[f"counts_{m}"], keys)
-            p = counts.float() / total.clamp(min=1).float().unsqueeze(1)
-            probs = torch.where(use.unsqueeze(1), p, probs)
-            resolved |= use
+        matched = torch.zeros(candidates.shape, dtype=torch.bool, device=candidates.device)
+        for m in range(need, 0, -1):  # suffix length, longest first: `order - 1` iterations, not per token
+            ctx = context[:, need - m :]
+            ctx_key = torch.zeros(n, dtype=torch.long, device=ctx.device)
+            for i in range(m):
+                ctx_key = ctx_key * v + ctx[:, i].clamp(min=0)
+            ctx_found, ctx_count = _lookup(self.tables[f"keys_{m}"], self.tables[f"counts_{m}"], ctx_key)
+            ctx_found &= (ctx >= 0).all(dim=1)
+            found, counts = _lookup(self.tables[f"keys_{m + 1}"], self.tables[f"counts_{m + 1}"],
+                                    ctx_key.unsqueeze(1) * v + candidates)
+            use = found & ctx_found.unsqueeze(1) & ~matched
+            inv = torch.where(ctx_count > 0, 1.0 / ctx_count.clamp(min=1).float(), 0.0)  # a 0-count context: 0
+            probs = torch.where(use, counts.float() * inv.unsqueeze(1), probs)
+            matched |= use
         return probs
 
     def __repr__(self) -> str:

@@ -1,10 +1,9 @@
-# Generated from dart_hf/prompt_lookup.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
 """Prompt lookup inside the draft tree: the continuation of the latest earlier occurrence of the text's ending.
 
 Why: text often repeats itself (code echoes the signature and names of its prompt, answers quote the question,
 small models loop), and such tokens are exactly the ones a one-layer head is unsure of. Transformers' own
 `prompt_lookup_num_tokens` drafts only this chain; DART offers it as one more candidate per depth of the beam
-search (`dart_hf.tree.build_tree`), so the node budget goes to whichever of head and lookup is more likely
+search (`dart_hf.core.tree.build_tree`), so the node budget goes to whichever of head and lookup is more likely
 right. Measured offline on 40 + 40 held-out HumanEval / ShareGPT prompts with the SmolLM2 head (greedy,
 128 tokens): 3-node trees accept 1.56 -> 1.97 (HumanEval) and 1.56 -> 1.91 (ShareGPT) tokens per step.
 
@@ -42,7 +41,7 @@ def lookup_for_tree(
     context: torch.Tensor, length: int, config, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`lookup_continuation` with a head config's n-gram range, on the head's device: the `lookup` argument of
-    `dart_hf.tree.build_tree`."""
+    `dart_hf.core.tree.build_tree`."""
     tokens, valid = lookup_continuation(context, length, config.lookup_min_ngram, config.lookup_max_ngram)
     return tokens.to(device), valid.to(device)
 

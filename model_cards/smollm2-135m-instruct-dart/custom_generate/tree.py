@@ -1,18 +1,22 @@
-# Generated from dart_hf/tree.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
 """Draft tree construction: beam search over the head's K+1 distributions, rescored by an n-gram model.
 
-Extending a partial draft s by token x at depth d adds
-    level_w(d) * (logit_w(d) * log p_d(x) + ngram_w * log P_ngram(x | last n-1 tokens of text + s))
-with level_w(d) = (d+1)^-level_decay, logit_w(d) = logit_decay^d, and no n-gram term at d = 0 (spec 3).
-Every scored candidate goes into a pool; the best `node_budget` of the pool (plus the root) form the tree.
+This follows the reference search (`Searcher::search` of the DART release, docs/DART_SPEC.md §3) step by step, in
+float32 as it does. With p_d(x) the softmax over the head's top-k logits at depth d, extending a partial draft s by
+token x at depth d adds
+    level_w(d) * (log(p_d(x) + 1e-10) * logit_w(d) + log(P_ngram(x | last n-1 tokens of text + s) + 1e-10) * ngram_w)
+with level_w(d) = (d+1)^-level_decay, logit_w(d) = logit_decay^d, and no n-gram term at d = 0. The next beams are the
+`beam_width` best extensions, drafts ending in EOS ranked after all others (they are extended only when there are
+not enough other drafts). Every scored extension goes into a pool; the best `node_budget` of the pool (plus the
+root) form the tree. Ties are broken by pool order (depth, then beam rank, then top-k rank), i.e. by stable sorts:
+the reference's `std::sort` leaves ties unspecified, and a stable order is the one that keeps the tree closed.
 
-With a prompt-lookup continuation c_1..c_L (`dart_hf.prompt_lookup`), the beam that holds c_1..c_d gets c_{d+1}
-as one more candidate at depth d+1, whose increment is level_w(d) * logit_w(d) * `lookup_logp` (no n-gram term);
-when the head already proposes that token there, the candidate keeps the better of the two increments.
+With a prompt-lookup continuation c_1..c_L (`dart_hf.core.prompt_lookup`, beyond the reference), the beam that
+holds c_1..c_d gets c_{d+1} as one more candidate at depth d+1, whose term is logit_w(d) * `lookup_logp` (no
+n-gram term); when the head already proposes that token there, the candidate keeps the better of the two terms.
 
 Everything is batched torch over (beams x top-k) per depth: the only Python loop is over depths (K+1).
-Scores strictly decrease along a path (each increment is capped below zero), so the chosen set is closed
-under ancestors, which `DraftTree.check_closed` asserts in tests.
+Every term is <= 0, so scores never increase along a path and a parent precedes its children in pool order:
+the chosen set is closed under ancestors, which `DraftTree.check_closed` asserts in tests.
 """
 
 from __future__ import annotations
@@ -21,28 +25,30 @@ from dataclasses import dataclass
 
 import torch
 
+from .configuration import DartConfig
 from .ngram import NGramModel
 
-LOG_EPS = 1e-10
-MIN_DECREMENT = 1e-4  # each step lowers the score at least this much: parents always outrank children
+LOG_EPS = 1e-10  # inside every log, as the reference: a probability of 0 scores log(1e-10), not -inf
 
 
 @dataclass
 class TreeSearchParams:
-    top_k: int = 25
-    beam_width: int = 20
-    node_budget: int = 60
-    level_decay: float = 0.7
-    logit_decay: float = 0.9
-    ngram_weight: float = 0.5
-    lookup_logp: float = -0.1
+    """Tree search settings; the defaults are DartConfig's (the reference values), stated there once."""
+
+    top_k: int = DartConfig.tree_top_k
+    beam_width: int = DartConfig.beam_width
+    node_budget: int = DartConfig.node_budget
+    level_decay: float = DartConfig.level_decay
+    logit_decay: float = DartConfig.logit_decay
+    ngram_weight: float = DartConfig.ngram_weight
+    lookup_logp: float = DartConfig.lookup_logp
 
     @classmethod
     def from_config(cls, config, node_budget: int | None = None) -> "TreeSearchParams":
         return cls(
             top_k=config.tree_top_k,
             beam_width=config.beam_width,
-            node_budget=node_budget if node_budget is not None else (config.node_budget or 60),
+            node_budget=node_budget if node_budget is not None else (config.node_budget or DartConfig.node_budget),
             level_decay=config.level_decay,
             logit_decay=config.logit_decay,
             ngram_weight=config.ngram_weight,
@@ -122,7 +128,7 @@ def _add_lookup_candidate(
     params: TreeSearchParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Append one candidate column [beams, k+1]: the lookup token c_{d+1} for the beam on the lookup path, -inf
-    (never chosen) elsewhere or where the head already proposes it (that entry keeps the better score)."""
+    (never chosen) elsewhere or where the head already proposes it (that entry keeps the better term)."""
     tokens, valid = lookup
     token = tokens[d].expand(cand.shape[0], 1)
     on = (on_lookup & valid[d]).unsqueeze(1)
@@ -131,6 +137,14 @@ def _add_lookup_candidate(
     logp = torch.where(same, torch.maximum(logp, lookup_logp), logp)
     extra = lookup_logp.masked_fill(~on | same.any(dim=1, keepdim=True), float("-inf"))
     return torch.cat([logp, extra], dim=1), torch.cat([cand, token], dim=1)
+
+
+def _ranked(scores: torch.Tensor, is_eos: torch.Tensor | None) -> torch.Tensor:
+    """Indices of `scores` best first, ties in index order; EOS entries after all others, -inf entries last."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    group = torch.zeros_like(scores, dtype=torch.long) if is_eos is None else is_eos.long()
+    group = torch.where(torch.isfinite(scores), group, 2)
+    return order[torch.sort(group[order], stable=True).indices]
 
 
 def build_tree(
@@ -148,9 +162,9 @@ def build_tree(
 
     draft_logits [D, Vd]: row d scores the token at tree depth d+1. root_token: 0-d tensor (the bonus
     token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
-    last order-1 are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
+    last `ngram.context_size` are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
     max_depth caps the depth (so no node lies past max_new_tokens). lookup: (tokens [>= D], valid [>= D]) from
-    `dart_hf.prompt_lookup.lookup_continuation`, or None.
+    `dart_hf.core.prompt_lookup.lookup_continuation`, or None.
     """
     device = draft_logits.device
     # The best B nodes are closed under ancestors and outrank every other node of their depth, so beams wider than
@@ -160,13 +174,15 @@ def build_tree(
     depth_limit = min(draft_logits.shape[0] if max_depth is None else max_depth, draft_logits.shape[0], budget)
     k = min(params.top_k, draft_logits.shape[1])
     top_logits, top_ids = draft_logits[:depth_limit].float().topk(k, dim=-1)
-    top_logp = torch.log_softmax(top_logits, dim=-1)  # softmax over the k kept tokens only (reference)
+    top_logp = torch.log(torch.softmax(top_logits, dim=-1) + LOG_EPS)  # softmax over the k kept tokens (reference)
     if draft_to_target is not None:
         top_ids = draft_to_target[top_ids]
-    hist_len = max((ngram.order - 1) if ngram is not None else 0, 1)
+    hist_len = max(ngram.context_size if ngram is not None else 0, 1)
     ctx = context[-hist_len:].to(device=device, dtype=torch.long)
     if ctx.numel() < hist_len:
         ctx = torch.cat([ctx.new_full((hist_len - ctx.numel(),), -1), ctx])
+    f32 = lambda w: torch.tensor(w, dtype=torch.float32, device=device)  # weights are float32 in the reference
+    ngram_w = f32(params.ngram_weight)
 
     # pool of every scored node; index 0 is the root
     pool_tokens = [root_token.view(1).to(device=device, dtype=torch.long)]
@@ -180,37 +196,32 @@ def build_tree(
     beam_hist = ctx.view(1, hist_len)
     beam_on_lookup = torch.ones(1, dtype=torch.bool, device=device)  # the beam's path is c_1..c_d
     for d in range(depth_limit):
-        logp = params.logit_decay**d * top_logp[d].unsqueeze(0).expand(beam_scores.numel(), k)
-        cand = top_ids[d].unsqueeze(0).expand_as(logp)
+        term = (top_logp[d] * f32(params.logit_decay**d)).unsqueeze(0).expand(beam_scores.numel(), k)
+        cand = top_ids[d].unsqueeze(0).expand_as(term)
         if ngram is not None and d > 0 and params.ngram_weight != 0:
-            logp = logp + params.ngram_weight * torch.log(ngram.prob(beam_hist, cand) + LOG_EPS)
+            term = term + torch.log(ngram.prob(beam_hist, cand) + LOG_EPS) * ngram_w
         if lookup is not None:  # after the n-gram term: a lookup proposal is scored by lookup_logp alone
-            logp, cand = _add_lookup_candidate(logp, cand, lookup, d, beam_on_lookup, params)
-        incr = ((d + 1) ** -params.level_decay * logp).clamp(max=-MIN_DECREMENT)
-        scores = beam_scores.unsqueeze(1) + incr  # dead beams carry -inf and stay -inf
+            term, cand = _add_lookup_candidate(term, cand, lookup, d, beam_on_lookup, params)
+        scores = beam_scores.unsqueeze(1) + f32((d + 1) ** -params.level_decay) * term
         width = scores.numel()
-        pool_tokens.append(cand.reshape(-1))
+        flat, flat_cand = scores.reshape(-1), cand.reshape(-1)
+        pool_tokens.append(flat_cand)
         pool_parents.append(beam_nodes.unsqueeze(1).expand_as(scores).reshape(-1))
         pool_depths.append(torch.full((width,), d + 1, dtype=torch.long, device=device))
-        pool_scores.append(scores.reshape(-1))
-        # next beams: drafts ending in EOS are leaves, never extended
-        flat = scores.reshape(-1)
-        if eos_token_ids is not None:
-            flat = flat.masked_fill(torch.isin(cand.reshape(-1), eos_token_ids), float("-inf"))
-        w = min(params.beam_width, width, budget)
-        beam_scores, sel = flat.topk(w)
-        beam_nodes = pool_size + sel
+        pool_scores.append(flat)
+        is_eos = torch.isin(flat_cand, eos_token_ids) if eos_token_ids is not None else None
+        sel = _ranked(flat, is_eos)[: min(params.beam_width, width, budget)]
+        beam_scores, beam_nodes = flat[sel], pool_size + sel
         parent_beam = sel // cand.shape[1]
         if lookup is not None:
-            beam_on_lookup = beam_on_lookup[parent_beam] & (cand.reshape(-1)[sel] == lookup[0][d])
-        beam_hist = torch.cat([beam_hist[parent_beam, 1:], cand.reshape(-1)[sel].unsqueeze(1)], dim=1)
+            beam_on_lookup = beam_on_lookup[parent_beam] & (flat_cand[sel] == lookup[0][d])
+        beam_hist = torch.cat([beam_hist[parent_beam, 1:], flat_cand[sel].unsqueeze(1)], dim=1)
         pool_size += width
 
     tokens, parents = torch.cat(pool_tokens), torch.cat(pool_parents)
     depths, scores = torch.cat(pool_depths), torch.cat(pool_scores)
-    budget = min(budget, pool_size - 1)
-    chosen = scores[1:].topk(budget).indices + 1
-    chosen = chosen[torch.isfinite(scores[chosen])]  # beams of dead (EOS / -inf) branches never enter
+    chosen = _ranked(scores[1:], None)[: min(budget, pool_size - 1)] + 1
+    chosen = chosen[torch.isfinite(scores[chosen])]  # never a placeholder (-inf) lookup column
     chosen = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen.sort().values])
     # pool indices grow with depth, so sorting keeps parents before children; remap parents to tree indices
     tree_index = torch.full((pool_size,), -1, dtype=torch.long, device=device)

@@ -1,4 +1,3 @@
-# Generated from dart_hf/verify.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
 """Tree verification: one target forward over all tree nodes, and the KV-cache compaction that follows.
 
 Node i sits at position past_len + depth[i] and attends to the whole past plus its own ancestors. The mask
@@ -8,20 +7,19 @@ is built for the target's attention implementation:
 - "eager" (and anything else that adds the mask to the scores): the same mask as 0 / -inf floats.
 transformers passes a 4D mask or a BlockMask through to the attention layers unchanged.
 
-On CPU, an "sdpa" target verifies through `grouped_sdpa_attention_forward` (registered with transformers'
-AttentionInterface as "dart_grouped_sdpa" and selected for the verify forward only): transformers' SDPA repeats
-grouped key/value heads once per query head whenever a mask is given, which copies the whole KV cache in every
-layer at every step, while PyTorch's CPU flash kernel takes grouped heads and a mask directly (`enable_gqa`).
-SmolLM2-135M (9 query heads over 3 KV heads), 4-node trees, HumanEval: verify 37.8 -> 35.2 ms per step.
+On CPU, an "sdpa" target verifies through `grouped_sdpa_attention_forward`: transformers' SDPA repeats grouped
+key/value heads once per query head whenever a mask is given, which copies the whole KV cache in every layer at every
+step, while PyTorch's CPU flash kernel takes grouped heads and a mask directly (`enable_gqa`). It is selected by
+`dart_hf.core.runtime.verify_attention` for the whole DART call (registered as "dart_grouped_sdpa" while a call
+runs); this module changes nothing in transformers or in the target.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .tree import DraftTree
 
@@ -53,10 +51,6 @@ def grouped_sdpa_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention_forward)
-AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
-
-
 def tree_attention_mask(tree: DraftTree, past_len: int, attn_implementation: str, dtype: torch.dtype):
     """The verify mask for `tree` after `past_len` cached tokens, in the form the attention backend takes."""
     n = tree.size
@@ -74,7 +68,7 @@ def tree_attention_mask(tree: DraftTree, past_len: int, attn_implementation: str
     visible = torch.cat(
         [torch.ones(n, past_len, dtype=torch.bool, device=tree.tokens.device), tree.ancestor_mask], dim=1
     )[None, None]
-    if attn_implementation == "sdpa":
+    if attn_implementation in ("sdpa", GROUPED_SDPA):
         return visible
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
         ~visible, torch.finfo(dtype).min
@@ -83,24 +77,18 @@ def tree_attention_mask(tree: DraftTree, past_len: int, attn_implementation: str
 
 @torch.no_grad()
 def verify_tree(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, past_len: int) -> torch.Tensor:
-    """Run the target once over the tree; returns float logits [N, vocab] (node i predicts its next token)."""
-    impl = target.config._attn_implementation or "eager"
-    mask = tree_attention_mask(tree, past_len, impl, target.dtype)
-    grouped = impl == "sdpa" and target.device.type == "cpu"
-    if grouped:
-        target.config._attn_implementation = GROUPED_SDPA
-    try:
-        out = target(
-            input_ids=tree.tokens.unsqueeze(0),
-            attention_mask=mask,
-            position_ids=(tree.depths + past_len).unsqueeze(0),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0,
-        )
-    finally:
-        if grouped:
-            target.config._attn_implementation = impl
+    """Run the target once over the tree; returns float logits [N, vocab] (node i predicts its next token).
+
+    Uses the attention the target has now: inside `dart_runtime` / `verify_runtime` the grouped CPU SDPA."""
+    mask = tree_attention_mask(tree, past_len, target.config._attn_implementation or "eager", target.dtype)
+    out = target(
+        input_ids=tree.tokens.unsqueeze(0),
+        attention_mask=mask,
+        position_ids=(tree.depths + past_len).unsqueeze(0),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=0,
+    )
     return out.logits[0].float()
 
 

@@ -1,7 +1,6 @@
-# Generated from dart_hf/modeling_dart.py (dart_hf 0.1.0) by dart_hf.hub.write_custom_generate. Do not edit.
 """`DartHead`: one decoder layer that drafts `draft_length + 1` tokens in ONE forward.
 
-Data flow of a decoding step (spec section 1):
+Data flow of a decoding step (docs/DART_SPEC.md §1):
 
     aux = cat(target layer inputs at aux_layer_ids)          [r, 3 * target_hidden]   (new real positions)
     fc_out = fc(aux)                                          residual stream of real rows
@@ -11,13 +10,15 @@ Data flow of a decoding step (spec section 1):
     keep rows [last real, MASK_1..MASK_K] -> MLP -> norm -> lm_head      = K + 1 draft distributions
 
 Only the real rows' keys/values enter the head's KV cache, so MASK slots never leak into later steps.
-The target's input embedding (and, for a tied head, its lm_head) are borrowed at run time and never saved.
+The target's input embedding (and, for a tied head, its lm_head) are passed to each call (`TargetModules`), never
+stored by generation and never saved.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,35 @@ from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
-from .configuration_dart import DartConfig
+from .configuration import DartConfig, check_config_matches_target, dart_config_for_target
 from .ngram import FILE_NAME as NGRAM_FILE
 from .ngram import NGramModel
+
+
+class DartRotaryEmbedding(LlamaRotaryEmbedding):
+    """transformers' rotary embedding (default, linear, llama3, yarn, ... from `config.rope_parameters`), except
+    `"dynamic"`, which follows the reference head (`LlamaDynamicNTKScalingRotaryEmbedding` of the DART release).
+
+    The reference builds its cos/sin cache at init for max_position_embeddings + 20 positions and rebuilds it for
+    a longer sequence, with the dynamic-NTK base of that cache length L: base * (factor * L / max_pos -
+    (factor - 1)) ** (dim / (dim - 2)). So its frequencies are scaled from the first token on, whereas
+    transformers scales only past max_position_embeddings. Here L = max(max_pos + 20, largest position + 1),
+    computed on the device (no host sync); the reference also keeps a longer L across later, shorter calls.
+    The other types agree with the reference (tests/test_reference_fidelity.py compares them).
+    """
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        if self.rope_type != "dynamic":
+            return super().forward(x, position_ids)
+        params, max_pos = self.config.rope_parameters, self.config.max_position_embeddings
+        factor, dim = float(params["factor"]), 2 * self.inv_freq.numel()
+        length = (position_ids.max() + 1).clamp(min=max_pos + 20).double()
+        base = params["rope_theta"] * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim
+        inv_freq = 1.0 / base.float() ** exponents
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 class DartAttention(nn.Module):
@@ -131,6 +158,20 @@ class HeadKVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+class TargetModules(NamedTuple):
+    """The target modules a head computes with: its input embedding and, for a tied head, its lm_head.
+
+    Passed to every draft call rather than stored on the head, so one head can serve several targets (or several
+    calls) without carrying any of them."""
+
+    embed: nn.Module
+    lm_head: nn.Module | None = None
+
+    @classmethod
+    def of(cls, target: PreTrainedModel) -> "TargetModules":
+        return cls(target.get_input_embeddings(), target.get_output_embeddings())
+
+
 class DartPreTrainedModel(PreTrainedModel):
     config_class = DartConfig
     base_model_prefix = "dart"
@@ -146,11 +187,23 @@ class DartPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.mask_rep, mean=0.0, std=self.config.initializer_range)
 
 
+def _refuse_missing_local_folder(path) -> None:
+    """FileNotFoundError for a head path that can only mean a local folder and is not one. transformers would
+    treat it as a Hub repo id: an unrelated repo-id error, or (for `a/b`) half a minute of retried downloads."""
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        return
+    first = text.replace(os.sep, "/").split("/", 1)[0]
+    looks_local = os.path.isabs(text) or text.startswith(("./", "../", ".\\", "..\\")) or text.count("/") > 1
+    if looks_local or (first not in ("", ".", "..") and os.path.exists(first)):
+        raise FileNotFoundError(f"no such folder: {text} (looked in {os.path.abspath(text)})")
+
+
 class DartHead(DartPreTrainedModel):
     """DART draft head. Build one with `DartHead.from_target(target)`, load one with `from_pretrained`.
 
     Use it as `target.generate(..., assistant_model=head)`; `import dart_hf` routes that call to the
-    tree decoding loop (see `dart_hf.generation`). After a call, `head.stats` holds what happened.
+    tree decoding loop (see `dart_hf.integrations.transformers`). After a call, `head.stats` holds what happened.
     """
 
     def __init__(self, config: DartConfig):
@@ -159,7 +212,7 @@ class DartHead(DartPreTrainedModel):
         self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
         self.midlayer = DartMidLayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.rotary_emb = DartRotaryEmbedding(config)
         if config.uses_target_lm_head:
             self.lm_head = None
         else:
@@ -167,16 +220,14 @@ class DartHead(DartPreTrainedModel):
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.ngram = None  # an NGramModel, loaded from ngram.safetensors beside the weights when present
-        self.stats: dict = {}
-        self._target_modules: dict[str, nn.Module] = {}  # borrowed, never registered (never saved)
+        self.stats = None  # the latest generate call's DartStats (`dart_hf.core.stats`), set by the decoding loop
+        self._bound: TargetModules | None = None  # bind_target's modules, for training and offline use only
         self.post_init()
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_target(cls, target: PreTrainedModel, draft_length: int = 7, **overrides) -> "DartHead":
         """A fresh (untrained) head sized for `target`: hidden size, heads, RoPE and vocab are copied from it."""
-        from .target_binding import dart_config_for_target
-
         head = cls(dart_config_for_target(target, draft_length=draft_length, **overrides))
         return head.to(device=target.device, dtype=target.dtype)
 
@@ -204,13 +255,22 @@ class DartHead(DartPreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> "DartHead":
         """`PreTrainedModel.from_pretrained`, made strict: safetensors only, a config of model_type "dart",
         and every checkpoint key present with the right shape (a missing key is an error, not a random init).
-        Loads `ngram.safetensors` from the same folder / repo when present."""
+        Loads `ngram.safetensors` from the same folder / repo, and refuses a head whose config says it has one
+        (`has_ngram`) when the file is missing. A path that can only be a folder (absolute, `./`, `../`, `~`, or a
+        relative path whose first part exists here) and does not exist is a FileNotFoundError, never a Hub lookup."""
         from transformers.utils import cached_file
 
         path = pretrained_model_name_or_path
+        if os.fspath(path).startswith("~"):
+            path = os.path.expanduser(path)
+        _refuse_missing_local_folder(path)
         hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only") if k in kwargs}
         if "config" not in kwargs:
-            config_dict, _ = DartConfig.get_config_dict(path, **hub_kwargs)
+            try:
+                config_dict, _ = DartConfig.get_config_dict(path, **hub_kwargs)
+            except OSError as err:
+                where = "" if os.path.isdir(path) else f"neither a folder here ({os.path.abspath(path)}) nor "
+                raise FileNotFoundError(f"{path} is {where}a loadable DART head: {err}") from err
             if config_dict.get("model_type") != "dart":
                 raise ValueError(
                     f"{path} is not a DART head: its config.json has model_type={config_dict.get('model_type')!r}"
@@ -230,62 +290,53 @@ class DartHead(DartPreTrainedModel):
         ngram_file = cached_file(path, NGRAM_FILE, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
         if ngram_file is not None:
             model.ngram = NGramModel.load(ngram_file)
+        elif model.config.has_ngram:
+            raise ValueError(
+                f"{path} has no {NGRAM_FILE}, but its config.json says the head was saved with one (has_ngram: true): "
+                f"copy {NGRAM_FILE} beside the weights, or set has_ngram to false to draft without n-gram rescoring"
+            )
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """Weights + config, plus `ngram.safetensors` when the head carries an n-gram model."""
+        """Weights + config, plus `ngram.safetensors` when the head carries an n-gram model. The config records
+        whether it does (`has_ngram`), so a copy of the folder that lost the file is refused when loaded."""
+        self.config.has_ngram = self.ngram is not None
         super().save_pretrained(save_directory, *args, **kwargs)
         if self.ngram is not None and kwargs.get("is_main_process", True):
             self.ngram.save(os.path.join(save_directory, NGRAM_FILE))
 
-    def node_budget_for(self, target: PreTrainedModel) -> int:
-        """Draft nodes verified per step: the config's fixed budget, or (node_budget=None) the budget that
-        maximises expected tokens per second on this target and device (`dart_hf.cost_model`; the tree loop
-        re-chooses it every step from running acceptance statistics, this returns its current best)."""
-        if self.config.node_budget is not None:
-            return self.config.node_budget
-        raise ImportError('dart_hf.cost_model is not part of this custom_generate copy; pip install dart_hf to use it')
+    # ------------------------------------------------------------------ target modules
+    def bind_target(self, target: PreTrainedModel) -> None:
+        """Check the head was built for `target`, then keep its modules for calls that pass none (the training
+        forward, offline drafting). `generate` never binds: it passes the modules to each draft call. Placement
+        (device, dtype) is separate: `dart_hf.core.target.prepare_head`."""
+        check_config_matches_target(self.config, target)
+        self._bound = TargetModules.of(target)
 
-        return cost_aware_budget(self, target)
+    def _target_modules(self, given: TargetModules | None) -> TargetModules:
+        modules = given if given is not None else self._bound
+        if modules is None:
+            raise RuntimeError("no target modules: pass target_modules=TargetModules.of(target) or bind_target first")
+        return modules
 
-    # ------------------------------------------------------------------ target binding
-    def bind_target(self, target: PreTrainedModel, place: bool = True) -> None:
-        """Borrow the target's embedding (and lm_head when tied) after checking the head was built for it.
-
-        With `place`, the head also moves to the device and floating dtype of the target's last decoder layer
-        (`dart_hf.placement`), so `generate(assistant_model=head)` works on any target as loaded; training
-        passes `place=False` to keep an fp32 head beside a bf16 target.
-        """
-        from .placement import prepare_head
-        from .target_binding import check_head_matches_target
-
-        check_head_matches_target(self, target)
-        if place:
-            prepare_head(self, target)
-        self._target_modules = {"embed": target.get_input_embeddings()}
-        if self.lm_head is None:
-            self._target_modules["lm_head"] = target.get_output_embeddings()
-
-    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if "embed" not in self._target_modules:
-            raise RuntimeError("DartHead is not bound to a target: call head.bind_target(target) first")
-        embed = self._target_modules["embed"]
+    def _embed(self, token_ids: torch.Tensor, modules: TargetModules) -> torch.Tensor:
+        embed = modules.embed
         return embed(token_ids.to(embed.weight.device)).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
 
-    def _project(self, h: torch.Tensor) -> torch.Tensor:
+    def _project(self, h: torch.Tensor, modules: TargetModules) -> torch.Tensor:
         for _ in range(self.config.final_norm_repeats):
             h = self.norm(h)
         if self.lm_head is not None:
             return self.lm_head(h)
-        lm_head = self._target_modules["lm_head"]
-        return lm_head(h.to(lm_head.weight.dtype))
+        return modules.lm_head(h.to(modules.lm_head.weight.dtype))
 
     # ------------------------------------------------------------------ the layer
-    def _layer_inputs(self, aux_hidden: torch.Tensor, next_tokens: torch.Tensor):
+    def _layer_inputs(self, aux_hidden: torch.Tensor, next_tokens: torch.Tensor, modules: TargetModules):
         """(attention input, residual) of real rows: embedding of token t+1 next to the fused state h_t."""
         layer = self.midlayer
         fc_out = self.fc(aux_hidden.to(self.fc.weight.dtype))
-        x = torch.cat([layer.input_layernorm(self._embed(next_tokens)), layer.hidden_norm(fc_out)], dim=-1)
+        embedded = self._embed(next_tokens, modules)
+        x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(fc_out)], dim=-1)
         return x, fc_out
 
     def _mask_inputs(self, batch: int, count: int):
@@ -304,7 +355,12 @@ class DartHead(DartPreTrainedModel):
 
     @torch.no_grad()
     def draft(
-        self, aux_hidden: torch.Tensor, next_tokens: torch.Tensor, cache: HeadKVCache, depth: int | None = None
+        self,
+        aux_hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        cache: HeadKVCache,
+        depth: int | None = None,
+        target_modules: TargetModules | None = None,
     ) -> torch.Tensor:
         """One drafting forward. Returns logits [depth, draft vocab] for the `depth` tokens after the bonus token
         (default and at most K + 1).
@@ -313,13 +369,15 @@ class DartHead(DartPreTrainedModel):
         `next_tokens` [1, r] the token that follows each of them (the last one is the bonus token).
         A smaller `depth` drops the trailing MASK slots: row i attends only to rows <= i, so the rows kept are the
         same, and a tree of B nodes never reaches past depth B (on a CPU picking 3-4 nodes, 3 of 8 rows).
+        `target_modules`: the target's embedding / lm_head (default: those of `bind_target`).
         """
         full = self.config.num_predictions
         depth = full if depth is None else depth
         if not 1 <= depth <= full:
             raise ValueError(f"draft depth must be in 1..{full} (the head predicts K + 1 = {full} tokens), got {depth}")
+        modules = self._target_modules(target_modules)
         r, k_slots = aux_hidden.shape[1], depth - 1
-        real_x, real_res = self._layer_inputs(aux_hidden, next_tokens)
+        real_x, real_res = self._layer_inputs(aux_hidden, next_tokens, modules)
         mask_x, mask_res = self._mask_inputs(1, k_slots)
         x = torch.cat([real_x, mask_x], dim=1)
         past = cache.length
@@ -335,7 +393,7 @@ class DartHead(DartPreTrainedModel):
         mask = torch.arange(past + r + k_slots, device=x.device).unsqueeze(0) <= q_pos
         out = attn.attend(q, keys, values, mask)
         residual = torch.cat([real_res[:, -1:], mask_res], dim=1)
-        return self._project(self._mlp_out(residual, out))[0].float()
+        return self._project(self._mlp_out(residual, out), modules)[0].float()
 
     # ------------------------------------------------------------------ training forward
     def forward(
@@ -344,8 +402,9 @@ class DartHead(DartPreTrainedModel):
         next_tokens: torch.Tensor,
         anchors: torch.Tensor,
         attention_mask=None,
+        target_modules: TargetModules | None = None,
     ) -> torch.Tensor:
-        """Training forward over packed anchors (spec section 2).
+        """Training forward over packed anchors (docs/DART_SPEC.md §2).
 
         `aux_hidden` [B, T, 3H] and `next_tokens` [B, T] cover a whole sequence; `anchors` [B, A] are real
         positions, each followed by its own block of K MASK slots appended after the T real rows. Every
@@ -354,9 +413,10 @@ class DartHead(DartPreTrainedModel):
         MASK slot j. Only predicting rows (anchors, then MASK slots) are queried; `attention_mask` may be a
         prebuilt mask over (predicting rows x all rows), e.g. a FlexAttention BlockMask; default: dense.
         """
+        modules = self._target_modules(target_modules)
         b, t = next_tokens.shape
         a, k_slots = anchors.shape[1], self.config.draft_length
-        real_x, real_res = self._layer_inputs(aux_hidden, next_tokens)
+        real_x, real_res = self._layer_inputs(aux_hidden, next_tokens, modules)
         mask_x, mask_res = self._mask_inputs(b, a * k_slots)
         x = torch.cat([real_x, mask_x], dim=1)
         slot = torch.arange(k_slots, device=x.device)
@@ -376,7 +436,7 @@ class DartHead(DartPreTrainedModel):
         residual = gather(torch.cat([real_res, mask_res], dim=1))
         h = self._mlp_out(residual, out)
         depth0, blocks = h[:, :a], h[:, a:].reshape(b, a, k_slots, h.shape[-1])
-        return self._project(torch.cat([depth0.unsqueeze(2), blocks], dim=2))
+        return self._project(torch.cat([depth0.unsqueeze(2), blocks], dim=2), modules)
 
 
 def packed_anchor_mask(seq_len: int, anchors: torch.Tensor, draft_length: int) -> torch.Tensor:
@@ -400,4 +460,4 @@ def packed_anchor_mask(seq_len: int, anchors: torch.Tensor, draft_length: int) -
     return real_real | mask_sees_prefix | mask_sees_block
 
 
-__all__ = ["DartHead", "DartPreTrainedModel", "HeadKVCache", "packed_anchor_mask"]
+__all__ = ["DartHead", "DartPreTrainedModel", "HeadKVCache", "TargetModules", "packed_anchor_mask"]
