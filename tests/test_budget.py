@@ -3,7 +3,6 @@ in-run), `dart-hf calibrate`, the visible budget state, and lossless auto decodi
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -15,6 +14,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 import dart_hf
 from conftest import make_head, make_target, prompts
+from dart_hf_cli import main as cli
 from dart_hf.core import budget as cost_model
 from dart_hf.core.acceptance import accept_greedy
 from dart_hf.core.budget import BudgetController, VerifyCost, accepted_for_budgets, path_ranks
@@ -384,23 +384,20 @@ def test_budget_state_is_visible_persists_across_calls_and_resets():
 
 def test_calibrate_writes_the_curve_that_a_later_run_uses(tmp_path, monkeypatch, capsys, no_curve_checks):
     from conftest import make_word_tokenizer
-    from dart_hf.tools import calibrate
     from dart_hf.tools.assets import load_target
 
     folder = tmp_path / "tiny-target"
     make_target("llama").save_pretrained(folder)
     make_word_tokenizer().save_pretrained(folder)
     calls = counting_measure(monkeypatch)
-    parser = argparse.ArgumentParser()
-    calibrate.add_arguments(parser)
-    assert calibrate.run(parser.parse_args([str(folder), "--sizes", "1,2,4,8", "--repeats", "1"])) == 0
+    assert cli(["calibrate", str(folder), "--sizes", "1,2,4,8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     files = list((tmp_path / "cache" / "cost").glob("*.json"))
     assert len(calls) == 1 and len(files) == 1 and str(files[0]) in out and "measured now" in out
     stored = json.loads(files[0].read_text())
     assert stored["sizes"] == [1, 2, 4, 8] and all(f"{1e3 * s:.2f}" in out for s in stored["seconds"])
 
-    assert calibrate.run(parser.parse_args([str(folder)])) == 0  # cached: shown, not measured again
+    assert cli(["calibrate", str(folder)]) == 0  # cached: shown, not measured again
     assert len(calls) == 1 and "cached, measured" in capsys.readouterr().out
 
     target, _ = load_target(str(folder))  # a later run
@@ -412,10 +409,10 @@ def test_calibrate_writes_the_curve_that_a_later_run_uses(tmp_path, monkeypatch,
     assert len(calls) == 1 and controller.cost.path == str(files[0])
     assert controller.cost.seconds == stored["seconds"] and controller.candidates.tolist() == [1, 3, 7]
 
-    assert calibrate.run(parser.parse_args([str(folder), "--force", "--repeats", "1"])) == 0
+    assert cli(["calibrate", str(folder), "--force", "--repeats", "1"]) == 0
     assert len(calls) == 2 and json.loads(files[0].read_text())["sizes"] == stored["sizes"]
     with pytest.raises(SystemExit):
-        parser.parse_args([str(folder), "--sizes", "0,x"])
+        cli(["calibrate", str(folder), "--sizes", "0,x"])
 
 
 def test_cost_curve_interpolates_and_extrapolates():

@@ -7,7 +7,6 @@ a forward pass written from the spec text in plain torch, independent of DartHea
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import struct
@@ -19,7 +18,8 @@ from safetensors.torch import save_file
 
 import dart_hf
 from conftest import TINY, make_target, prompts
-from dart_hf.tools.convert import QWEN3_TARGETS, add_cli, convert_main, convert_reference, read_trie
+from dart_hf.tools.convert import QWEN3_TARGETS, convert_reference, read_trie
+from dart_hf_cli import main as cli
 
 VOCAB = TINY["vocab_size"]
 
@@ -418,13 +418,12 @@ def test_cli(tmp_path, target_cfg, capsys):
     cfg = reference_config()
     src = write_reference(tmp_path / "ref", cfg, reference_state_dict(cfg))
     trie = write_trie(tmp_path / "c.trie", corpus(5))
-    parser = argparse.ArgumentParser(prog="dart-hf")
-    add_cli(parser.add_subparsers(dest="command"))
     argv = ["convert", str(src), "--ngram", str(trie), "--target-config", str(target_cfg), "--out", str(tmp_path / "a")]
-    args = parser.parse_args(argv)
-    assert args.func(args) == 0
+    assert cli(argv) == 0
     assert (tmp_path / "a" / "ngram.safetensors").is_file()
-    assert convert_main([str(src), "--target-config", str(target_cfg), "--out", str(tmp_path / "b")]) == 0
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert saved["has_ngram"] is True and saved["prompt_lookup"] is False
+    assert cli(["convert", str(src), "--target-config", str(target_cfg), "--out", str(tmp_path / "b")]) == 0
     assert "wrote" in capsys.readouterr().out
-    assert convert_main([str(src), "--out", str(tmp_path / "c")]) == 1
+    assert cli(["convert", str(src), "--out", str(tmp_path / "c")]) == 1
     assert "cannot tell the target" in capsys.readouterr().err

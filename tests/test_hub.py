@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import dart_hf
 from conftest import make_head, make_target, prompts
+from dart_hf_cli import main as cli
 from dart_hf.tools import hub
 from dart_hf.tools.convert import QWEN3_TARGETS
 
@@ -194,12 +195,8 @@ def test_push_refuses_a_folder_that_is_not_a_loadable_head(tmp_path, head, fake_
 
 def test_push_cli(tmp_path, head, fake_hub, capsys):
     folder = write_folder(head, tmp_path / "h")
-    parser = argparse.ArgumentParser(prog="dart-hf")
-    hub.add_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["push", str(folder), "someone/tiny-dart", "--private"])
-    assert args.func(args) == 0 and "pushed" in capsys.readouterr().out
-    args = parser.parse_args(["push", str(tmp_path / "nothing"), "someone/x"])
-    assert args.func(args) == 1 and "error" in capsys.readouterr().err
+    assert cli(["push", str(folder), "someone/tiny-dart", "--private"]) == 0 and "pushed" in capsys.readouterr().out
+    assert cli(["push", str(tmp_path / "nothing"), "someone/x"]) == 1 and "error" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------- loading safety

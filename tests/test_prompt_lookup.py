@@ -50,7 +50,7 @@ def test_generate_uses_it_by_default_and_not_when_told_not_to(monkeypatch):
     head = make_head(target)
     calls = []
     real = prompt_lookup.lookup_for_tree
-    monkeypatch.setattr("dart_hf.core.loop.lookup_for_tree", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr("dart_hf.core.drafter.lookup_for_tree", lambda *a: calls.append(1) or real(*a))
     ids = prompts(1, seed=3)[0]
     ref = target.generate(ids, do_sample=False, max_new_tokens=12)
     assert torch.equal(target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12), ref)
@@ -71,7 +71,7 @@ def test_lossless_when_the_lookup_is_always_wrong(monkeypatch):
     head = make_head(target)
     head.config.lookup_logp = 0.0
     garbage = lambda context, length, *a: (torch.full((length,), 5), torch.ones(length, dtype=torch.bool))
-    monkeypatch.setattr("dart_hf.core.loop.lookup_for_tree", garbage)
+    monkeypatch.setattr("dart_hf.core.drafter.lookup_for_tree", garbage)
     ids = prompts(1, seed=4)[0]
     ref = target.generate(ids, do_sample=False, max_new_tokens=16)
     assert torch.equal(target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=16), ref)

@@ -37,7 +37,6 @@ from tqdm.auto import tqdm
 
 from .assets import shipped_head
 
-DEFAULT_HEAD = shipped_head()  # for add_cli; main() resolves --head None to the same folder
 DATASETS = ("humaneval", "sharegpt")
 PHASES = ("draft", "tree", "verify", "accept")
 PHASE_LABELS = {"draft": "head forward", "tree": "tree search", "verify": "target verify", "accept": "accept + cache"}
@@ -536,28 +535,6 @@ def exit_status(results: dict) -> int:
     return MISMATCH_EXIT
 
 
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="tokens/s of DART vs plain generate, prompt lookup and chain drafting",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head", default=str(DEFAULT_HEAD), help="DART head folder (default: %(default)s)")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flex_attention"),
-                   help="target attention implementation")
-    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
-    p.add_argument("--n", type=int, default=5, help="prompts per data set")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--budget", type=int, default=60, help="fixed node budget of the reference tree method")
-    p.add_argument("--methods", nargs="+", default=None,
-                   help="subset of: plain prompt_lookup dart_chain dart_tree_<budget> dart_tree_auto "
-                   "(plain always runs)")
-    p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
-    p.add_argument("--synthetic", action="store_true",
-                   help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")
-    p.set_defaults(func=main)
-
-
 __all__ = [
-    "Method", "add_cli", "exit_status", "main", "markdown_report", "run_bench", "run_synthetic", "standard_methods",
+    "Method", "exit_status", "main", "markdown_report", "run_bench", "run_synthetic", "standard_methods",
 ]

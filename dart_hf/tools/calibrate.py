@@ -16,34 +16,6 @@ import torch
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of `dart-hf calibrate`."""
-    parser.add_argument("target", nargs="?", default="smollm2-135m-instruct",
-                        help="known target name or local Hugging Face folder (default: %(default)s)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: %(default)s)")
-    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager", "flex_attention"),
-                        help="attention implementation to load the target with (default: %(default)s)")
-    parser.add_argument("--force", action="store_true",
-                        help="measure again even when a valid cached curve exists")
-    parser.add_argument("--sizes", type=_sizes, default=None,
-                        help="comma-separated tree sizes in tokens, root included (default: the budget's sizes)")
-    parser.add_argument("--past-len", type=int, default=None,
-                        help="KV cache length the verify runs after (default: 256)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per measurement")
-    parser.add_argument("--json", action="store_true", help="print the stored record as JSON")
-
-
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--sizes takes comma-separated integers, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise argparse.ArgumentTypeError(f"--sizes must be positive integers, got {text!r}")
-    return sizes
-
-
 def run(args: argparse.Namespace) -> int:
     """Load the target, load or measure its verify-cost curve, print it. Exit status 0, or 1 when the measurement
     failed its checks on every attempt (the curve is then kept for an hour only)."""

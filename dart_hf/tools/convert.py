@@ -552,6 +552,7 @@ def convert_reference(
     tensors = read_reference_weights(src, config)
     ngram = read_trie(ngram_trie, vocab_size=config.vocab_size, progress=progress) if ngram_trie else None
     config.dtype = tensors["fc.weight"].dtype
+    config.has_ngram = ngram is not None  # from_pretrained then refuses a copy of the folder that lost the file
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -561,19 +562,7 @@ def convert_reference(
     return DartHead.from_pretrained(out)
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("reference_dir", help="folder with the reference config.json and model.safetensors")
-    parser.add_argument("--ngram", metavar="FILE.trie", help="reference n-gram trie (e.g. small.trie) to convert too")
-    parser.add_argument(
-        "--target-config",
-        metavar="PATH_OR_NAME",
-        help=f"target config.json (file or folder), or one of {', '.join(QWEN3_TARGETS)}; "
-        "default: inferred from the reference config among those",
-    )
-    parser.add_argument("--out", required=True, help="output folder (a dart_hf head)")
-
-
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         head = convert_reference(args.reference_dir, args.out, ngram_trie=args.ngram, target_config=args.target_config)
     except (ValueError, OSError) as err:
@@ -587,30 +576,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Register `dart-hf convert` on an argparse subparsers object; the parsed args carry `func(args) -> int`."""
-    parser = subparsers.add_parser(
-        "convert",
-        help="convert a reference DART checkpoint (fvliang/qwen*-dart) and .trie into a dart_hf head folder",
-        description=__doc__.split("\n\n")[0],
-    )
-    _add_arguments(parser)
-    parser.set_defaults(func=_run)
-    return parser
-
-
-def convert_main(argv: list[str] | None = None) -> int:
-    """`dart-hf convert ...` with `argv` the arguments after the word `convert`; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="dart-hf convert", description=__doc__.split("\n\n")[0])
-    _add_arguments(parser)
-    return _run(parser.parse_args(argv))
-
-
 __all__ = [
     "QWEN3_TARGETS",
     "TargetShape",
-    "add_cli",
-    "convert_main",
     "convert_reference",
     "dart_config_from_reference",
     "read_reference_config",

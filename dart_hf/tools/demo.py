@@ -17,7 +17,6 @@ from .assets import chat_input_ids, load_target, shipped_head
 from ..core.modeling import DartHead
 from ..core.target import check_head_matches_target, prepare_head
 
-DEFAULT_HEAD = shipped_head()
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short explanation."
 
 
@@ -61,11 +60,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="stream an answer with DART and compare its speed with plain generate")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--head", default=str(DEFAULT_HEAD), help="DART head folder or Hub repo")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.set_defaults(func=run)

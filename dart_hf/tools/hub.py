@@ -19,7 +19,8 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, HfApi
 
 from .. import __version__
-from .convert import CONFIG_FILE, WEIGHTS_FILE
+from transformers.utils import CONFIG_NAME as CONFIG_FILE
+from transformers.utils import SAFE_WEIGHTS_NAME as WEIGHTS_FILE
 from ..core.ngram import FILE_NAME as NGRAM_FILE
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -162,7 +163,7 @@ def push_head(
     return commit.commit_url
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         url = push_head(args.folder, args.repo, private=args.private, token=args.token)
     except (ValueError, OSError) as err:
@@ -170,21 +171,6 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print(f"pushed {args.folder} to {args.repo}: {url}")
     return 0
-
-
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Register `dart-hf push <folder> <repo>` on an argparse subparsers object (args carry `func(args) -> int`)."""
-    parser = subparsers.add_parser(
-        "push",
-        help="upload a DART head folder (weights, n-gram, card, custom_generate/) to the Hugging Face Hub",
-        description=push_head.__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("folder", help="a dart_hf head folder (config.json + model.safetensors)")
-    parser.add_argument("repo", help="Hub repo id, e.g. <user>/qwen3-8b-dart")
-    parser.add_argument("--private", action="store_true", help="create the repo as private")
-    parser.add_argument("--token", default=None, help="Hub token (default: the one saved by `hf auth login`)")
-    parser.set_defaults(func=_run)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["add_cli", "custom_generate_sources", "push_file_list", "push_head", "write_custom_generate"]
+__all__ = ["custom_generate_sources", "push_file_list", "push_head", "write_custom_generate"]
 
 
 if __name__ == "__main__":

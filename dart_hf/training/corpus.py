@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,29 +231,3 @@ def run_regenerate(args: argparse.Namespace) -> int:
     print(f"{len(corpus.done)} prompts in {corpus.path}", file=sys.stderr)
     return 0
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `dart-hf regenerate` (for the CLI to wire: `p.set_defaults(func=run_regenerate)`)."""
-    parser.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
-    parser.add_argument("--out", required=True, help="corpus folder (created, or grown when it exists)")
-    parser.add_argument("--prompts", default="sharegpt",
-                        help="'sharegpt' (training split), 'code' (HumanEval from problem 100) or a JSONL file "
-                             "with a 'prompt' per line")
-    parser.add_argument("--responses", default=None,
-                        help="import this JSONL of {'prompt', 'response'} texts from another engine instead of "
-                             "generating")
-    parser.add_argument("--num-prompts", type=int, default=2000)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
-    parser.add_argument("--device", default="cpu")
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dart_hf.training.corpus", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run_regenerate(parser.parse_args(None if argv is None else list(argv)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -54,12 +54,3 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("ngram", help="build the n-gram table of a head from ShareGPT + regenerated answers")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
-    p.add_argument("--features", default=None, help="feature shards of `dart-hf train` (regenerated answers)")
-    p.add_argument("--out", required=True, help="output .safetensors file (e.g. <head>/ngram.safetensors)")
-    p.add_argument("--order", type=int, default=3)
-    p.add_argument("--min-count", type=int, default=2, help="drop 2..n-grams seen fewer times")
-    p.add_argument("--sharegpt-limit", type=int, default=None, help="first N training conversations only")
-    p.set_defaults(func=run)

@@ -117,31 +117,3 @@ def _curve_evaluator(target, tokenizer, ngram: NGramModel, args: argparse.Namesp
     return evaluate
 
 
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a DART head for a target (features, head, n-gram, evaluation)")
-    p.add_argument("--target", default="smollm2-135m-instruct", help="known target name or local folder")
-    p.add_argument("--out", required=True, help="head folder (checkpoints and features go inside)")
-    p.add_argument("--features", default=None, help="feature shard folder (default: <out>/features)")
-    p.add_argument("--corpus", default=None,
-                   help="train on this token corpus (`dart-hf regenerate`) with online target features instead of "
-                        "regenerating into feature shards (--num-prompts is then unused)")
-    p.add_argument("--loss", choices=("kl", "ce"), default=None,
-                   help="KL to the target distribution (default with --corpus) or CE on its argmax (feature shards)")
-    p.add_argument("--train-batch-size", type=int, default=4, help="sequences per forward and process")
-    p.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
-    p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=24)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="target dtype for data")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--draft-length", type=int, default=7)
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0 ties the head to the target lm_head")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--anchors", type=int, default=48, help="anchor positions trained per sequence")
-    p.add_argument("--ngram-min-count", type=int, default=2)
-    p.add_argument("--eval-n", type=int, default=5, help="held-out prompts per data set for evaluation")
-    p.add_argument("--eval-max-new-tokens", type=int, default=128)
-    p.add_argument("--eval-every", type=int, default=0,
-                   help="also measure held-out accepted length every N optimizer steps (curve in training_curves.png)")
-    p.set_defaults(func=run)
