@@ -87,8 +87,8 @@ def _regenerate(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--out", required=True, help="corpus folder (created, or grown when it exists)")
     p.add_argument("--prompts", default="sharegpt",
-                   help="'sharegpt' (training split), 'code' (HumanEval from problem 100) or a JSONL file with a "
-                   "'prompt' per line")
+                   help="'sharegpt' (training split), 'sharegpt-code' (its chats about code), 'code' (HumanEval "
+                   "from problem 100) or a JSONL file with a 'prompt' per line")
     p.add_argument("--responses", default=None,
                    help="import this JSONL of {'prompt', 'response'} texts from another engine instead of generating")
     p.add_argument("--num-prompts", type=int, default=2000)
@@ -109,6 +109,8 @@ def _train(sub) -> None:
                    "regenerating into feature shards (--num-prompts is then unused)")
     p.add_argument("--loss", choices=("kl", "ce"), default=None,
                    help="KL to the target distribution (default with --corpus) or CE on its argmax (feature shards)")
+    p.add_argument("--init", default=None,
+                   help="start from this head folder's weights and draft vocabulary (fine-tune on new data)")
     p.add_argument("--train-batch-size", type=int, default=4, help="sequences per forward and process")
     p.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
     p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")

@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from conftest import WORDS, make_target, make_word_tokenizer
+from dart_hf.core.tree import TreeSearchParams
 from dart_hf.tools.evaluation import acceptance_report
+from dart_hf.tools.offline_acceptance import draft_rows, mean_accepted_length, reference_texts
 from dart_hf.training import corpus as corpus_module
 from dart_hf.training.corpus import CORPUS_FILE, Corpus, import_responses, load_corpus, regenerate
-from dart_hf.training.data import prompt_token_ids
+from dart_hf.tools.assets import load_sharegpt
+from dart_hf.training.data import prompt_token_ids, sharegpt_code_prompts
 from dart_hf.training.train import TrainConfig, batch_loss, kl_terms, new_head, train_head
 
 TESTS = Path(__file__).resolve().parent
@@ -53,6 +56,24 @@ def test_regenerate_train_online_kl_evaluate(tiny, tmp_path):
     after = acceptance_report(target, head.eval(), held_out, max_new_tokens=16)
     assert after["lossless"] and after["mean_accepted_length"] >= 1.0
     assert after["mean_accepted_length"] > before["mean_accepted_length"]
+
+    # the offline replay (no target in the loop) gives the accepted length of real decoding, prompt by prompt,
+    # for the reference beam search and for best-first
+    texts = reference_texts(target, held_out, max_new_tokens=16)
+    rows = draft_rows(target, head, texts)
+    for search in ("beam", "best_first"):
+        head.config.tree_search = search
+        real = acceptance_report(target, head, held_out, max_new_tokens=16)["per_prompt"]
+        params = TreeSearchParams.from_config(head.config)
+        replay = [mean_accepted_length(head, [t], [r], params, False, torch.tensor([1])) for t, r in zip(texts, rows)]
+        assert replay == pytest.approx(real), search
+    head.config.tree_search = "beam"
+
+    # fine-tuning: starting from the trained head, the first loss is already near where training ended
+    cfg_more = TrainConfig(**{**cfg.__dict__, "epochs": 1, "init_from": str(tmp_path / "head")})
+    train_head(target, tmp_path / "corpus", tmp_path / "head2", cfg_more, eos_ids=[1], device="cpu")
+    history2 = json.loads((tmp_path / "head2" / "training_history.json").read_text())["history"]
+    assert history2[0]["loss"] < 0.7 * history[0]["loss"]
 
 
 def test_regeneration_resumes_skips_done_prompts_and_repairs_a_torn_line(tiny, tmp_path, monkeypatch):
@@ -206,3 +227,23 @@ def test_data_parallel_two_processes_match_one_process_on_the_same_global_batch(
     gap = max((one[k] - two[k]).abs().max().item() for k in one)
     control = max((one[k] - halfway[k]).abs().max().item() for k in one)  # one process, half the batch
     assert gap < 1e-3 < control  # padding widths differ per process: float noise, well below one lr step
+
+
+def test_code_prompts_are_the_training_chats_with_fenced_code(tmp_path):
+    fence = "```"
+    records = []
+    for i in range(200):
+        code = i % 3 == 0
+        answer = f"here:\n{fence}python\nprint({i})\n{fence}" if code else f"plain answer {i}"
+        question = f"{fence}x = {i}{fence} why?" if i % 5 == 0 else f"question {i}"
+        records.append({"id": f"c{i:03d}_0", "conversations": [{"from": "human", "value": question},
+                                                                 {"from": "gpt", "value": answer}]})
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    train = load_sharegpt("train", path=path)
+    expected = [t[0]["content"] for t in train if fence in t[0]["content"] or fence in t[1]["content"]]
+    assert 0 < len(expected) < len(train)
+    assert sharegpt_code_prompts(None, path=path) == expected
+    assert sharegpt_code_prompts(7, path=path) == expected[:7]
+    heldout = {t[0]["content"] for t in load_sharegpt("heldout", path=path)}
+    assert not set(sharegpt_code_prompts(None, path=path)) & heldout

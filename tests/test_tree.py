@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from dart_hf import NGramModel
+from dart_hf import DartConfig, NGramModel
 from dart_hf.core.tree import LOG_EPS, TreeSearchParams, ancestor_mask, build_tree
 
 
@@ -185,3 +186,58 @@ def test_draft_to_target_mapping_is_applied():
     tree = build_tree(logits, torch.tensor(0), torch.tensor([0]), TreeSearchParams(top_k=3, node_budget=3),
                       draft_to_target=d2t)
     assert tree.tokens.tolist() == [0, 20, 30, 10]
+
+
+def all_paths_best_first(logits, context, top_k, ngram=None, ngram_weight=0.5, lookup=(), lookup_logp=-0.1):
+    """Every draft of length 1..D over the head's top-k tokens per depth (plus the lookup chain), scored by the sum
+    of log full-softmax probabilities and the weighted n-gram terms (lookup tokens: `lookup_logp`): brute force,
+    no beams, no pruning."""
+    logp = torch.log_softmax(logits, -1)
+    top = [set(logits[d].topk(top_k).indices.tolist()) for d in range(logits.shape[0])]
+    scores, frontier = {}, [((), 0.0)]
+    for d in range(logits.shape[0]):
+        nxt = []
+        for path, score in frontier:
+            options = {x: float(logp[d, x]) for x in top[d]}
+            if ngram is not None and d > 0:
+                for x in options:
+                    hist = (list(context) + list(path))[-(ngram.order - 1) :]
+                    pr = float(ngram.prob(torch.tensor([hist]), torch.tensor([[x]]))[0, 0])
+                    options[x] += ngram_weight * math.log(pr + LOG_EPS)
+            if d < len(lookup) and list(path) == list(lookup[:d]):
+                options[lookup[d]] = max(options.get(lookup[d], -math.inf), lookup_logp)
+            for x, term in options.items():
+                scores[path + (x,)] = score + term
+                nxt.append((path + (x,), score + term))
+        frontier = nxt
+    return scores
+
+
+def test_best_first_tree_is_the_best_drafts_over_all_paths():
+    """search="best_first" must equal the top-B of an exhaustive enumeration (no beam pruning loses a draft), with
+    the n-gram and lookup terms in the same ranking, at every budget."""
+    torch.manual_seed(5)
+    logits = torch.randn(4, 12) * 2
+    context = [3, 4]
+    ngram = NGramModel.build([torch.randint(0, 12, (300,)).tolist()], order=3, vocab_size=12, progress=False)
+    lookup = [int(logits[0].argmin()), int(logits[1].argmin()), 2]  # a chain the head itself ranks last
+    tokens, valid = torch.tensor(lookup + [0]), torch.tensor([True, True, True, False])
+    brute = all_paths_best_first(logits, context, 4, ngram, lookup=lookup)
+    ranked = sorted(brute.items(), key=lambda kv: -kv[1])
+    for budget in (1, 3, 10, 40):
+        p = TreeSearchParams(search="best_first", top_k=4, beam_width=1, node_budget=budget)
+        tree = build_tree(logits, torch.tensor(4), torch.tensor(context), p, ngram=ngram, lookup=(tokens, valid))
+        got = tree_paths(tree)
+        assert got.keys() == dict(ranked[:budget]).keys(), budget
+        assert all(abs(score - brute[path]) < 1e-4 for path, score in got.items())
+        tree.check_closed()
+    assert tuple(lookup) in got  # the confident lookup chain outranks most head drafts
+    reference = tree_paths(build_tree(logits, torch.tensor(4), torch.tensor(context),
+                                      TreeSearchParams(top_k=4, beam_width=1, node_budget=40), ngram=ngram))
+    assert reference.keys() != got.keys()  # a one-beam reference search keeps one path per depth
+
+
+def test_tree_search_is_validated_and_read_from_the_config():
+    with pytest.raises(ValueError, match="tree_search"):
+        DartConfig(tree_search="greedy")
+    assert TreeSearchParams.from_config(DartConfig(tree_search="best_first")).search == "best_first"

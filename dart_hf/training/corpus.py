@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..tools.assets import HUMANEVAL_INSTRUCTION, load_humaneval
-from .data import _chunks, generate_batch, greedy_config, prompt_token_ids, sharegpt_training_prompts
+from .data import (_chunks, generate_batch, greedy_config, prompt_token_ids, sharegpt_code_prompts,
+                   sharegpt_training_prompts)
 
 CORPUS_FILE = "corpus.jsonl"
 META_FILE = "corpus.meta.json"
@@ -194,17 +195,19 @@ def _read_pairs(path: Path) -> Iterator[dict]:
 
 
 def training_prompts(source: str, num_prompts: int) -> list[str]:
-    """User texts for regeneration: `"sharegpt"` (training split), `"code"` (HumanEval problems from
-    `CODE_PROMPTS_START` on) or a JSONL file whose lines carry a string `prompt`."""
+    """User texts for regeneration: `"sharegpt"` (training split), `"sharegpt-code"` (its chats about code),
+    `"code"` (HumanEval problems from `CODE_PROMPTS_START` on) or a JSONL file whose lines carry a string `prompt`."""
     if source == "sharegpt":
         return sharegpt_training_prompts(num_prompts)
+    if source == "sharegpt-code":
+        return sharegpt_code_prompts(num_prompts)
     if source == "code":
         problems = load_humaneval()[CODE_PROMPTS_START:][:num_prompts]
         return [HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"]) for p in problems]
     path = Path(source)
     if not path.is_file():
-        raise ValueError(f"prompts must be 'sharegpt', 'code' or a JSONL file of {{\"prompt\": ...}} lines; "
-                         f"{source!r} is none of these")
+        raise ValueError(f"prompts must be 'sharegpt', 'sharegpt-code', 'code' or a JSONL file of "
+                         f"{{\"prompt\": ...}} lines; {source!r} is none of these")
     texts = []
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         loss=args.loss or ("kl" if args.corpus else "ce"),
         batch_size=args.train_batch_size,
         grad_accum=args.grad_accum,
+        init_from=args.init,
     )
     if not (out / NGRAM_FILE).exists() and processes.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,9 @@ Warm start: the draft vocabulary is the most frequent response tokens (EOS alway
 copied from the target's lm_head and `norm` from the target's final norm, so the head starts in the
 target's own output space instead of learning it from a few hundred thousand tokens.
 
+Fine-tuning: `init_from` starts from an existing head (its draft vocabulary and weights) instead of a warm start,
+so a head grows with each new slice of the corpus; the learning-rate schedule starts over.
+
 Resumable: `out/checkpoint/` holds the head, optimizer and history; rerunning the same command continues.
 
 Progress in the unit that matters: with `evaluate` and `eval_every`, the head's mean accepted length on
@@ -79,6 +82,7 @@ class TrainConfig:
     grad_accum: int = 1  # forwards per optimizer step
     max_grad_norm: float = 1.0
     seed: int = 0
+    init_from: str | None = None  # a head folder to start from (fine-tuning an existing head on more data)
     log_every: int = 20
     save_every: int = 200
 
@@ -268,6 +272,8 @@ def train_head(
     if ckpt.exists():
         head = DartHead.from_pretrained(ckpt).float()
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    elif cfg.init_from is not None:
+        head, state = DartHead.from_pretrained(cfg.init_from).float(), None
     else:
         head, state = new_head(target, data, cfg, eos_ids or []), None
     target.requires_grad_(False)  # the head borrows its embedding (and lm_head when tied): never trained

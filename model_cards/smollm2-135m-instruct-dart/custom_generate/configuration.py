@@ -13,6 +13,9 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 
+TREE_SEARCHES = ("beam", "best_first")
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """Inputs of target layers 2, L // 2 and L - 3 (EAGLE-3 / DART), clamped into range for very shallow targets."""
     return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
@@ -35,6 +38,12 @@ class DartConfig(PreTrainedConfig):
         Target decoder layers whose INPUTS are captured (default `[2, L // 2, L - 3]`, as EAGLE-3).
     final_norm_repeats (`int`, defaults to 1):
         How many times `norm` is applied before `lm_head`. Reference checkpoints were trained with 2.
+    tree_search (`str`, defaults to `"beam"`):
+        `"beam"`: the reference beam search (docs/DART_SPEC.md §3), what a converted reference head keeps.
+        `"best_first"`: the node budget filled by the highest path scores over all drafts (as DDTree / CAST): each
+        depth adds the log of the head's full-softmax probability plus the weighted n-gram term, with no depth
+        decays, and as many beams as nodes, so no draft that would make the budget is pruned early
+        (`dart_hf.core.tree`). Which accepts more is measured per head with `examples/tune_tree_search.py`.
     tree_top_k / beam_width / node_budget / level_decay / logit_decay / ngram_weight:
         Tree search settings (docs/DART_SPEC.md §3); the defaults are the reference release's values and this class
         is the one place they are stated (`dart_hf.core.tree.TreeSearchParams` and the converter read them here):
@@ -80,6 +89,7 @@ class DartConfig(PreTrainedConfig):
     aux_layer_ids: list[int] | None = None
     final_norm_repeats: int = 1
 
+    tree_search: str = "beam"
     tree_top_k: int = 25
     beam_width: int = 20
     node_budget: int | None = 60
@@ -115,6 +125,8 @@ class DartConfig(PreTrainedConfig):
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in (0, vocab_size={self.vocab_size}]")
         if self.node_budget is not None and self.node_budget < 1:
             raise ValueError(f"node_budget must be >= 1 or None (cost-aware), got {self.node_budget}")
+        if self.tree_search not in TREE_SEARCHES:
+            raise ValueError(f"tree_search must be one of {TREE_SEARCHES}, got {self.tree_search!r}")
         if self.tree_top_k < 1 or self.beam_width < 1:
             raise ValueError("tree_top_k and beam_width must be >= 1")
         if self.ngram_weight < 0:

@@ -14,6 +14,12 @@ With a prompt-lookup continuation c_1..c_L (`dart_hf.core.prompt_lookup`, beyond
 holds c_1..c_d gets c_{d+1} as one more candidate at depth d+1, whose term is logit_w(d) * `lookup_logp` (no
 n-gram term); when the head already proposes that token there, the candidate keeps the better of the two terms.
 
+`search="best_first"` (beyond the reference, as DDTree / CAST): the tree is the `node_budget` drafts with the highest
+path scores, where a depth adds log p_d(x) with p_d the head's softmax over its whole (draft) vocabulary, plus the
+same n-gram and lookup terms, with no level or logit decays. It is the same search with `beam_width = node_budget`:
+a draft among the best B overall has an ancestor at every depth that is among that depth's best B (a worse
+ancestor would be outranked by B nodes, and so would its descendants), so a B-wide beam drops none of them.
+
 Everything is batched torch over (beams x top-k) per depth: the only Python loop is over depths (K+1).
 Every term is <= 0, so scores never increase along a path and a parent precedes its children in pool order:
 the chosen set is closed under ancestors, which `DraftTree.check_closed` asserts in tests.
@@ -35,6 +41,7 @@ LOG_EPS = 1e-10  # inside every log, as the reference: a probability of 0 scores
 class TreeSearchParams:
     """Tree search settings; the defaults are DartConfig's (the reference values), stated there once."""
 
+    search: str = DartConfig.tree_search
     top_k: int = DartConfig.tree_top_k
     beam_width: int = DartConfig.beam_width
     node_budget: int = DartConfig.node_budget
@@ -46,6 +53,7 @@ class TreeSearchParams:
     @classmethod
     def from_config(cls, config, node_budget: int | None = None) -> "TreeSearchParams":
         return cls(
+            search=config.tree_search,
             top_k=config.tree_top_k,
             beam_width=config.beam_width,
             node_budget=node_budget if node_budget is not None else (config.node_budget or DartConfig.node_budget),
@@ -125,14 +133,15 @@ def _add_lookup_candidate(
     lookup: tuple[torch.Tensor, torch.Tensor],
     d: int,
     on_lookup: torch.Tensor,
-    params: TreeSearchParams,
+    lookup_term: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append one candidate column [beams, k+1]: the lookup token c_{d+1} for the beam on the lookup path, -inf
-    (never chosen) elsewhere or where the head already proposes it (that entry keeps the better term)."""
+    """Append one candidate column [beams, k+1]: the lookup token c_{d+1}, with term `lookup_term`, for the beam on
+    the lookup path; -inf (never chosen) elsewhere or where the head already proposes it (that entry keeps the
+    better term)."""
     tokens, valid = lookup
     token = tokens[d].expand(cand.shape[0], 1)
     on = (on_lookup & valid[d]).unsqueeze(1)
-    lookup_logp = torch.full_like(logp[:, :1], params.logit_decay**d * params.lookup_logp)
+    lookup_logp = torch.full_like(logp[:, :1], lookup_term)
     same = (cand == token) & on
     logp = torch.where(same, torch.maximum(logp, lookup_logp), logp)
     extra = lookup_logp.masked_fill(~on | same.any(dim=1, keepdim=True), float("-inf"))
@@ -173,8 +182,14 @@ def build_tree(
     budget = max(int(params.node_budget), 1)
     depth_limit = min(draft_logits.shape[0] if max_depth is None else max_depth, draft_logits.shape[0], budget)
     k = min(params.top_k, draft_logits.shape[1])
-    top_logits, top_ids = draft_logits[:depth_limit].float().topk(k, dim=-1)
-    top_logp = torch.log(torch.softmax(top_logits, dim=-1) + LOG_EPS)  # softmax over the k kept tokens (reference)
+    best_first = params.search == "best_first"
+    if best_first:  # calibrated across depths: the whole softmax; no decays; every draft of the best B kept
+        top_logp, top_ids = draft_logits[:depth_limit].float().log_softmax(dim=-1).topk(k, dim=-1)
+        level_decay, logit_decay, beam_width = 0.0, 1.0, budget
+    else:
+        top_logits, top_ids = draft_logits[:depth_limit].float().topk(k, dim=-1)
+        top_logp = torch.log(torch.softmax(top_logits, dim=-1) + LOG_EPS)  # softmax over the k kept (reference)
+        level_decay, logit_decay, beam_width = params.level_decay, params.logit_decay, params.beam_width
     if draft_to_target is not None:
         top_ids = draft_to_target[top_ids]
     hist_len = max(ngram.context_size if ngram is not None else 0, 1)
@@ -196,13 +211,14 @@ def build_tree(
     beam_hist = ctx.view(1, hist_len)
     beam_on_lookup = torch.ones(1, dtype=torch.bool, device=device)  # the beam's path is c_1..c_d
     for d in range(depth_limit):
-        term = (top_logp[d] * f32(params.logit_decay**d)).unsqueeze(0).expand(beam_scores.numel(), k)
+        term = (top_logp[d] * f32(logit_decay**d)).unsqueeze(0).expand(beam_scores.numel(), k)
         cand = top_ids[d].unsqueeze(0).expand_as(term)
         if ngram is not None and d > 0 and params.ngram_weight != 0:
             term = term + torch.log(ngram.prob(beam_hist, cand) + LOG_EPS) * ngram_w
         if lookup is not None:  # after the n-gram term: a lookup proposal is scored by lookup_logp alone
-            term, cand = _add_lookup_candidate(term, cand, lookup, d, beam_on_lookup, params)
-        scores = beam_scores.unsqueeze(1) + f32((d + 1) ** -params.level_decay) * term
+            lookup_term = logit_decay**d * params.lookup_logp
+            term, cand = _add_lookup_candidate(term, cand, lookup, d, beam_on_lookup, lookup_term)
+        scores = beam_scores.unsqueeze(1) + f32((d + 1) ** -level_decay) * term
         width = scores.numel()
         flat, flat_cand = scores.reshape(-1), cand.reshape(-1)
         pool_tokens.append(flat_cand)
@@ -210,7 +226,7 @@ def build_tree(
         pool_depths.append(torch.full((width,), d + 1, dtype=torch.long, device=device))
         pool_scores.append(flat)
         is_eos = torch.isin(flat_cand, eos_token_ids) if eos_token_ids is not None else None
-        sel = _ranked(flat, is_eos)[: min(params.beam_width, width, budget)]
+        sel = _ranked(flat, is_eos)[: min(beam_width, width, budget)]
         beam_scores, beam_nodes = flat[sel], pool_size + sel
         parent_beam = sel // cand.shape[1]
         if lookup is not None:
