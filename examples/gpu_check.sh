@@ -9,6 +9,9 @@
 #    per-phase DART step times by node budget, head + tree search share of a step (~1-2 min);
 # 3. the same with flex_attention (first call compiles the kernel; ~2-3 min).
 # Every part has its own timeout and writes what it has; a failing part does not stop the next one.
+# It needs no download (random targets) and runs from the source tree with the machine's own torch / transformers,
+# so it fits a device machine that cannot fetch anything. The real SmolLM2 target cannot travel to such a machine
+# (98 MB as Q4_1 GGUF, 270 MB in bf16, over a 64 MiB transfer limit), so regeneration at scale is not part of it.
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"
 mkdir -p "$OUT"
@@ -61,12 +64,12 @@ EOF
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/tiny_cuda.txt"
 
 echo "== 2. synthetic Qwen3-8B shape, bf16, SDPA"
-timeout 300 python examples/benchmark.py --synthetic --attn sdpa --max-new-tokens 48 --out "$OUT/synthetic_sdpa" \
+timeout 300 python -m dart_hf_cli bench --synthetic --attn sdpa --max-new-tokens 48 --out "$OUT/synthetic_sdpa" \
   > "$OUT/synthetic_sdpa.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_sdpa.log"
 
 echo "== 3. synthetic Qwen3-8B shape, bf16, flex_attention"
-timeout 240 python examples/benchmark.py --synthetic --attn flex_attention --max-new-tokens 48 \
+timeout 240 python -m dart_hf_cli bench --synthetic --attn flex_attention --max-new-tokens 48 \
   --out "$OUT/synthetic_flex" > "$OUT/synthetic_flex.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_flex.log"
 
