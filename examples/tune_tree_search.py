@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--heads", nargs="+", default=[str(shipped_head())])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--texts", default="runs/texts.pt", help="reference texts: read if present, else made and saved")
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"], choices=["humaneval", "sharegpt"])
     ap.add_argument("--n", type=int, default=40, help="prompts per data set")
     ap.add_argument("--skip", type=int, default=5, help="prompts the benchmark uses (first --skip of each set)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -44,7 +45,7 @@ def main() -> None:
         texts = load_texts(args.texts)
     else:
         texts = {ds: reference_texts(target, eval_prompts(tokenizer, ds, args.skip + args.n)[args.skip :],
-                                     args.max_new_tokens, desc=f"texts {ds}") for ds in ("humaneval", "sharegpt")}
+                                     args.max_new_tokens, desc=f"texts {ds}") for ds in args.datasets}
         save_texts(texts, args.texts)
     eos = torch.tensor([tokenizer.eos_token_id])
     print("| head | search | budget | prompt lookup | n-gram weight | " + " | ".join(texts) + " |")
