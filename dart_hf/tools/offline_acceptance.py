@@ -156,7 +156,8 @@ def mean_accepted_length(
                       if prompt_lookup else None)
             tree = build_tree(_row_logits(drafts, j - text.prompt_length, depth, vocab), seq[j],
                               seq[max(0, j + 1 - context_size) : j + 1], params, ngram=head.ngram,
-                              draft_to_target=head.draft_to_target, eos_token_ids=eos_token_ids, max_depth=max_new, lookup=lookup)
+                              draft_to_target=head.draft_to_target, eos_token_ids=eos_token_ids, max_depth=max_new,
+                              lookup=lookup)
             appended = min(accepted_draft_tokens(tree, seq[j + 1 :].tolist()) + 1, seq.numel() - 1 - j)
             steps, tokens, j = steps + 1, tokens + appended, j + appended
     return tokens / max(steps, 1)
