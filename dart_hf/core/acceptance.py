@@ -36,15 +36,21 @@ class Accepted:
     logits: torch.Tensor | None = None
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor, keep_scores: bool = False) -> Accepted:
-    """Greedy acceptance over the whole tree with one device-to-host sync (the path length)."""
-    predicted = logits.argmax(dim=-1)
+def greedy_path(tree: DraftTree, predicted: torch.Tensor) -> torch.Tensor:
+    """Node indices, root first, of the deepest draft whose every token is `predicted` at its parent (`predicted`
+    [N]: the target's greedy token after each node). One device-to-host sync (the path length)."""
     matches = tree.tokens == predicted[tree.parents]
     matches[0] = True
     accepted = ~(tree.ancestor_mask & ~matches.unsqueeze(0)).any(dim=1)
     deepest = torch.where(accepted, tree.depths, -1).argmax()
-    path = tree.ancestor_mask[deepest].nonzero().squeeze(1)  # ascending index == ascending depth
-    tokens = torch.cat([tree.tokens[path[1:]], predicted[deepest].view(1)])
+    return tree.ancestor_mask[deepest].nonzero().squeeze(1)  # ascending index == ascending depth
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, keep_scores: bool = False) -> Accepted:
+    """Greedy acceptance over the whole tree (`greedy_path` of the target's argmax at every node)."""
+    predicted = logits.argmax(dim=-1)
+    path = greedy_path(tree, predicted)
+    tokens = torch.cat([tree.tokens[path[1:]], predicted[path[-1]].view(1)])
     rows = logits[path] if keep_scores else None
     return Accepted(path=path, tokens=tokens, scores=rows, logits=rows)
 

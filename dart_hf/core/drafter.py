@@ -26,6 +26,12 @@ def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
     return cost_aware_budget(head, target)
 
 
+def draft_depth(params: TreeSearchParams, max_new: int, num_predictions: int) -> int:
+    """How many of the head's K + 1 rows a step drafts: no deeper than the budget's tree can reach, than `max_new`
+    tokens allow, or than the head predicts (at least one row)."""
+    return max(1, min(params.node_budget, max_new, num_predictions))
+
+
 class DartDrafter:
     """Proposes a draft tree per step from the target states of the positions verified since the last proposal."""
 
@@ -65,7 +71,7 @@ class DartDrafter:
         if self._aux is None:
             raise RuntimeError("propose() before advance(): the head has no target states to draft from")
         head, params = self.head, self.params
-        depth = max(1, min(params.node_budget, max_new, head.config.num_predictions))
+        depth = draft_depth(params, max_new, head.config.num_predictions)
         with timer.phase("draft"):
             logits = head.draft(self._aux, self._tokens, self.cache, depth=depth, target_modules=self.modules)
             self._aux = self._tokens = None

@@ -26,9 +26,11 @@ from transformers import PreTrainedModel
 
 from ..core.configuration import check_config_matches_target
 from ..core.modeling import DartHead, TargetModules
-from ..core.prompt_lookup import lookup_continuation
+from ..core.acceptance import greedy_path
+from ..core.drafter import draft_depth
+from ..core.prompt_lookup import lookup_for_tree
 from ..core.target import AuxHiddenCapture
-from ..core.tree import DraftTree, TreeSearchParams, build_tree
+from ..core.tree import TreeSearchParams, build_tree
 
 KEEP = 64
 """Draft logits kept per row: the tree reads the top `tree_top_k` of them (25 by default, at most KEEP); the
@@ -117,19 +119,6 @@ def _row_logits(rows: DraftRows, row: int, depth: int, vocab: int) -> torch.Tens
     return spread.unsqueeze(1).expand(depth, vocab).clone().scatter_(1, ids, values)
 
 
-def accepted_draft_tokens(tree: DraftTree, truth: list[int]) -> int:
-    """Length of the longest tree path (from the root) that `truth` follows."""
-    children = {(parent, token): i for i, (parent, token)
-                in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())) if i}
-    node, n = 0, 0
-    for token in truth:
-        node = children.get((node, token))
-        if node is None:
-            break
-        n += 1
-    return n
-
-
 def mean_accepted_length(
     head: DartHead,
     texts: list[Text],
@@ -151,17 +140,18 @@ def mean_accepted_length(
             # as the loop: the tree may reach one token short of max_length (the last place is the bonus token's);
             # the step appends its accepted drafts and the bonus, cut after EOS (where the text ends)
             max_new = text.max_length - (j + 1) - 1
-            depth = max(1, min(params.node_budget, max_new, cfg.num_predictions))
-            lookup = (lookup_continuation(seq[: j + 1], depth, cfg.lookup_min_ngram, cfg.lookup_max_ngram)
-                      if prompt_lookup else None)
+            depth = draft_depth(params, max_new, cfg.num_predictions)
+            lookup = lookup_for_tree(seq[: j + 1], depth, cfg, seq.device) if prompt_lookup else None
             tree = build_tree(_row_logits(drafts, j - text.prompt_length, depth, vocab), seq[j],
                               seq[max(0, j + 1 - context_size) : j + 1], params, ngram=head.ngram,
                               draft_to_target=head.draft_to_target, eos_token_ids=eos_token_ids, max_depth=max_new,
                               lookup=lookup)
-            appended = min(accepted_draft_tokens(tree, seq[j + 1 :].tolist()) + 1, seq.numel() - 1 - j)
+            # the target's greedy token after each node is the text's token one depth further (-1 past its end)
+            after = torch.cat([seq[j + 1 :], seq.new_full((tree.size,), -1)])
+            drafted = greedy_path(tree, after[tree.depths]).numel() - 1
+            appended = min(drafted + 1, seq.numel() - 1 - j)
             steps, tokens, j = steps + 1, tokens + appended, j + appended
     return tokens / max(steps, 1)
 
 
-__all__ = ["Text", "DraftRows", "reference_texts", "save_texts", "load_texts", "draft_rows", "mean_accepted_length",
-           "accepted_draft_tokens"]
+__all__ = ["Text", "DraftRows", "reference_texts", "save_texts", "load_texts", "draft_rows", "mean_accepted_length"]
