@@ -123,6 +123,13 @@ def _train(sub) -> None:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--anchors", type=int, default=48, help="anchor positions trained per sequence")
+    p.add_argument("--cache-features", action="store_true",
+                   help="keep the target's features in memory after their first forward, so later epochs skip the "
+                   "target (token corpora; about (layers read + 1) x hidden size x dtype bytes per corpus token)")
+    p.add_argument("--no-group-by-length", dest="group_by_length", action="store_false",
+                   help="plain shuffled batches instead of length-grouped ones (more padding)")
+    p.add_argument("--save-every", type=int, default=200,
+                   help="checkpoint every N optimizer steps (a killed run resumes from the last one)")
     p.add_argument("--ngram-min-count", type=int, default=2)
     p.add_argument("--eval-n", type=int, default=5, help="held-out prompts per data set for evaluation")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)

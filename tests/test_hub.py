@@ -367,8 +367,9 @@ def test_readme_custom_generate_snippet_with_the_shipped_head(tmp_path):
     assert result["same"] and result["new"] > 0 and result["dart_hf"] == "None", result
 
 
-def test_shipped_custom_generate_copy_matches_the_package():
-    """The committed model_cards/*/custom_generate/ copy is generated: it must not drift from dart_hf."""
-    shipped = {f"custom_generate/{p.name}": p.read_text() for p in (SHIPPED / "custom_generate").glob("*.py")}
-    command = hub.REGENERATE_COMMAND.replace("<head folder>", "model_cards/smollm2-135m-instruct-dart")
+@pytest.mark.parametrize("card", sorted(p.parent.name for p in CARDS.glob("*/custom_generate")))
+def test_shipped_custom_generate_copy_matches_the_package(card):
+    """The committed model_cards/*/custom_generate/ copies are generated: they must not drift from dart_hf."""
+    shipped = {f"custom_generate/{p.name}": p.read_text() for p in (CARDS / card / "custom_generate").glob("*.py")}
+    command = hub.REGENERATE_COMMAND.replace("<head folder>", f"model_cards/{card}")
     assert shipped == hub.custom_generate_sources(), f"regenerate with: {command}"

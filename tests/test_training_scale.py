@@ -247,3 +247,48 @@ def test_code_prompts_are_the_training_chats_with_fenced_code(tmp_path):
     assert sharegpt_code_prompts(7, path=path) == expected[:7]
     heldout = {t[0]["content"] for t in load_sharegpt("heldout", path=path)}
     assert not set(sharegpt_code_prompts(None, path=path)) & heldout
+
+
+def _varied_corpus(path: Path, n: int = 24) -> None:
+    g = torch.Generator().manual_seed(1)
+    corpus = Corpus(path, vocab_size=112, eos_ids=[1])
+    corpus.append([{"prompt": torch.randint(5, 112, (4 + i % 5,), generator=g).tolist(),
+                    "response": torch.randint(5, 112, (3 + (i * 7) % 19,), generator=g).tolist()} for i in range(n)])
+
+
+def test_cached_features_train_like_fresh_ones_and_skip_the_target_after_the_first_epoch(tmp_path, monkeypatch):
+    from dart_hf.training import train
+
+    _varied_corpus(tmp_path / "corpus")
+    target = make_target("llama", vocab_size=112, eos_token_id=1, pad_token_id=0)
+    calls = []
+    fresh = train.target_features
+    monkeypatch.setattr(train, "target_features", lambda *a: calls.append(1) or fresh(*a))
+    cfg = TrainConfig(draft_length=2, draft_vocab_size=None, loss="kl", epochs=3, lr=1e-2, warmup_steps=1,
+                      batch_size=4, anchors_per_sequence=4, log_every=1, save_every=1000)
+    heads, forwards = {}, {}
+    for cache in (False, True):
+        calls.clear()
+        cfg_run = TrainConfig(**{**cfg.__dict__, "cache_features": cache})
+        heads[cache] = train_head(target, tmp_path / "corpus", tmp_path / f"head-{cache}", cfg_run, eos_ids=[1],
+                                  device="cpu").state_dict()
+        forwards[cache] = len(calls)
+    assert forwards[False] == 18  # 24 sequences x 3 epochs / 4 per batch
+    assert 6 <= forwards[True] < 12  # the first epoch's batches, and a few later ones holding an unseen sequence
+    gap = max((heads[True][k] - heads[False][k]).abs().max().item() for k in heads[True])
+    assert gap < 1e-4
+
+
+def test_length_grouped_batches_pad_less_and_still_cover_every_sequence_each_epoch():
+    from dart_hf.training.train import _training_order
+
+    lengths = [3 + (i * 37) % 200 for i in range(400)]
+    cfg = TrainConfig(epochs=2, batch_size=4)
+    padded = {}
+    for grouped in (True, False):
+        order = _training_order(lengths, TrainConfig(**{**cfg.__dict__, "group_by_length": grouped}), 4)
+        assert sorted(order[:400]) == sorted(order[400:]) == list(range(400))
+        assert order[:400] != order[400:]  # a fresh shuffle per epoch
+        padded[grouped] = sum(4 * max(lengths[i] for i in order[b : b + 4]) for b in range(0, 800, 4))
+    assert padded[True] < 0.8 * padded[False]
+    assert padded[True] < 1.05 * 2 * sum(lengths)

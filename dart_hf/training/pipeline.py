@@ -63,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.train_batch_size,
         grad_accum=args.grad_accum,
         init_from=args.init,
+        save_every=args.save_every,
+        cache_features=args.cache_features,
+        group_by_length=args.group_by_length,
     )
     if not (out / NGRAM_FILE).exists() and processes.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,11 @@ target's own output space instead of learning it from a few hundred thousand tok
 Fine-tuning: `init_from` starts from an existing head (its draft vocabulary and weights) instead of a warm start,
 so a head grows with each new slice of the corpus; the learning-rate schedule starts over.
 
+Throughput: batches are grouped by length (transformers' `get_length_grouped_indices`: shuffled, then sorted
+within mega-batches), so a batch pads to its own longest sequence rather than to a random long one; and with
+`cache_features` each sequence's target features are kept in memory after their first forward, so epochs after
+the first skip the target (Qwen2.5-Coder-0.5B on a 2-core CPU: 14.0 -> 5.2 s per step of 4 sequences).
+
 Resumable: `out/checkpoint/` holds the head, optimizer and history; rerunning the same command continues.
 
 Progress in the unit that matters: with `evaluate` and `eval_every`, the head's mean accepted length on
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence as SequenceOf
@@ -57,6 +63,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from ..core.modeling import DartHead
 from ..core.target import AuxHiddenCapture
@@ -83,6 +90,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     init_from: str | None = None  # a head folder to start from (fine-tuning an existing head on more data)
+    group_by_length: bool = True  # batches of similar lengths (less padding); False: plain shuffles
+    cache_features: bool = False  # keep target features in memory after their first forward (token corpora)
     log_every: int = 20
     save_every: int = 200
 
@@ -165,6 +174,7 @@ class AnchorCollator:
             "anchors": torch.tensor([x + [x[0]] * (a - len(x)) for x in anchors]),
             "anchor_valid": torch.tensor([[True] * len(x) + [False] * (a - len(x)) for x in anchors]),
             "response_tokens": torch.tensor(sum(s.ids.numel() - s.prompt_length for s in seqs)),
+            "index": torch.tensor([self.order[p] for p in places]),
         }
         if isinstance(seqs[0], Example):
             aux = torch.zeros(len(seqs), width - 1, seqs[0].aux.shape[-1], dtype=seqs[0].aux.dtype)
@@ -184,6 +194,48 @@ def target_features(target: PreTrainedModel, layer_ids: list[int], ids: torch.Te
         final = target.get_decoder()(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
         aux = capture.take()
     return aux, final
+
+
+class FeatureCache:
+    """Target features (aux inputs and final states, unpadded, on the CPU) per corpus sequence, kept from the
+    first batch that computed them: later epochs assemble a batch from here instead of running the target.
+
+    Rows are stored as the batch forward produced them, so a cached batch differs from a fresh one only by the
+    float noise of a different padding width."""
+
+    def __init__(self, data: SequenceOf[Sequence], n_aux: int, hidden: int, dtype: torch.dtype):
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.nbytes = sum(s.ids.numel() - 1 for s in data) * (n_aux + 1) * hidden * dtype.itemsize
+        available = _available_memory()
+        if available is not None and self.nbytes > 0.8 * available:
+            raise MemoryError(f"cache_features needs {self.nbytes / 2**30:.1f} GiB for this corpus but "
+                              f"{available / 2**30:.1f} GiB of memory is available: train without it (the target "
+                              "then runs on every batch)")
+
+    def get(self, index: torch.Tensor, lengths: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(aux [B, T-1, 3H], final [B, T-1, H]) zero-padded like `target_features`, or None if a row is missing."""
+        keys = index.tolist()
+        if not all(k in self.rows for k in keys):
+            return None
+        width = int(lengths.max()) - 1
+        aux0, final0 = self.rows[keys[0]]
+        aux = aux0.new_zeros(len(keys), width, aux0.shape[-1])
+        final = final0.new_zeros(len(keys), width, final0.shape[-1])
+        for row, k in enumerate(keys):
+            a, f = self.rows[k]
+            aux[row, : a.shape[0]], final[row, : f.shape[0]] = a, f
+        return aux.to(device, non_blocking=True), final.to(device, non_blocking=True)
+
+    def put(self, index: torch.Tensor, lengths: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> None:
+        for row, (k, n) in enumerate(zip(index.tolist(), (lengths - 1).tolist())):
+            self.rows.setdefault(k, (aux[row, :n].cpu().clone(), final[row, :n].cpu().clone()))
+
+
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no check
+        return None
 
 
 def target_logits(target: PreTrainedModel, states: torch.Tensor) -> torch.Tensor:
@@ -234,10 +286,16 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _training_order(n: int, cfg: TrainConfig, global_batch: int) -> list[int]:
-    """Sequence indices for every epoch (a fresh shuffle each), cut to whole optimizer steps."""
-    rng = random.Random(cfg.seed)
-    order = [i for _ in range(math.ceil(cfg.epochs)) for i in rng.sample(range(n), n)]
+def _training_order(lengths: list[int], cfg: TrainConfig, global_batch: int) -> list[int]:
+    """Sequence indices for every epoch (a fresh shuffle each, length-grouped by global batch so that each
+    process's share pads alike), cut to whole optimizer steps."""
+    n, epochs = len(lengths), range(math.ceil(cfg.epochs))
+    if cfg.group_by_length:
+        order = [i for e in epochs for i in get_length_grouped_indices(
+            lengths, global_batch, generator=torch.Generator().manual_seed(cfg.seed * 1_000 + e))]
+    else:
+        rng = random.Random(cfg.seed)
+        order = [i for _ in epochs for i in rng.sample(range(n), n)]
     per_step = global_batch * cfg.grad_accum
     return order[: int(cfg.epochs * n) // per_step * per_step]
 
@@ -269,12 +327,15 @@ def train_head(
     if stored and cfg.loss == "kl":
         raise ValueError(f"{data_dir} holds stored feature shards, which keep no target distribution: use "
                          "loss='ce', or a token corpus (`dart-hf regenerate`) for loss='kl'")
+    if cfg.cache_features and stored:
+        raise ValueError(f"{data_dir} holds stored feature shards: cache_features is for token corpora")
     if ckpt.exists():
         head = DartHead.from_pretrained(ckpt).float()
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     elif cfg.init_from is not None:
         head, state = DartHead.from_pretrained(cfg.init_from).float(), None
     else:
+        torch.manual_seed(cfg.seed)  # the same config trains the same head
         head, state = new_head(target, data, cfg, eos_ids or []), None
     target.requires_grad_(False)  # the head borrows its embedding (and lm_head when tied): never trained
     if not stored:
@@ -285,8 +346,13 @@ def train_head(
     draft_ids = None if head.lm_head is None else head.draft_to_target.to(accelerator.device)
     to_draft = None if head.lm_head is None else target_to_draft(head).to(accelerator.device)
     params = [p for p in head.parameters() if p.requires_grad]
+    cache = None
+    if cfg.cache_features:
+        cache = FeatureCache(data, len(layer_ids), head.config.target_hidden_size, target.dtype)
+        if accelerator.is_main_process:
+            tqdm.write(f"caching target features in memory: up to {cache.nbytes / 2**30:.2f} GiB per process")
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    order = _training_order(len(data), cfg, cfg.batch_size * accelerator.num_processes)
+    order = _training_order([e.ids.numel() for e in data], cfg, cfg.batch_size * accelerator.num_processes)
     total_steps = len(order) // (cfg.batch_size * accelerator.num_processes * cfg.grad_accum)
     if total_steps == 0:
         raise ValueError(f"{len(data)} sequences x {cfg.epochs} epochs do not fill one optimizer step of "
@@ -335,7 +401,10 @@ def train_head(
                 aux = batch["aux"]
                 token = ids.gather(1, (position + 1).clamp(max=ids.shape[1] - 1).flatten(1)).view(position.shape)
             else:
-                aux, final = target_features(target, layer_ids, ids, lengths)
+                cached = None if cache is None else cache.get(batch["index"], lengths, ids.device)
+                aux, final = cached or target_features(target, layer_ids, ids, lengths)
+                if cache is not None and cached is None:
+                    cache.put(batch["index"], lengths, aux, final)
                 rows = position.clamp(max=final.shape[1] - 1).flatten(1)
                 picked = final.gather(1, rows.unsqueeze(-1).expand(-1, -1, final.shape[-1]))
                 teacher = target_logits(target, picked).view(*position.shape, -1)
