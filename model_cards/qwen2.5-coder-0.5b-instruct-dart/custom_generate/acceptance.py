@@ -1,0 +1,96 @@
+"""Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Both rules are lossless.
+
+- `accept_greedy`: no logits processors, greedy. Vectorised over the whole tree: a node is accepted when its
+  token equals the target's argmax at every ancestor; the deepest accepted node ends the path.
+- `accept_walk`: the general rule, for sampling and for greedy with processors (repetition penalty,
+  min-length, ...). It walks from the root and applies the user's processors at each visited node with that
+  node's exact context, as plain `generate` would. At each node it picks the target's own next token x exactly
+  as plain `generate` does (argmax, or softmax + one `torch.multinomial` draw); when a child carries x the walk
+  descends, else x is the bonus token and the step ends.
+
+Why this sampling rule: it is ancestral sampling from the target, so every token is distributed exactly as the
+target's processed distribution whatever the tree; a drafted child is accepted with probability p(child), the
+same as the spec's child-by-child rejection walk; and it draws one multinomial per emitted token, like plain
+`generate`. The random stream therefore no longer depends on the tree (its size, the node budget, the head): the
+same seed and inputs give the same text on every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+from .tree import DraftTree
+
+
+@dataclass
+class Accepted:
+    """The accepted path (tree node indices, root first), the new tokens (path tokens after the root, then the
+    bonus token) and, when asked for, the processed scores / raw logits that produced each new token."""
+
+    path: torch.Tensor
+    tokens: torch.Tensor
+    scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+def greedy_path(tree: DraftTree, predicted: torch.Tensor) -> torch.Tensor:
+    """Node indices, root first, of the deepest draft whose every token is `predicted` at its parent (`predicted`
+    [N]: the target's greedy token after each node). One device-to-host sync (the path length)."""
+    matches = tree.tokens == predicted[tree.parents]
+    matches[0] = True
+    accepted = ~(tree.ancestor_mask & ~matches.unsqueeze(0)).any(dim=1)
+    deepest = torch.where(accepted, tree.depths, -1).argmax()
+    return tree.ancestor_mask[deepest].nonzero().squeeze(1)  # ascending index == ascending depth
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, keep_scores: bool = False) -> Accepted:
+    """Greedy acceptance over the whole tree (`greedy_path` of the target's argmax at every node)."""
+    predicted = logits.argmax(dim=-1)
+    path = greedy_path(tree, predicted)
+    tokens = torch.cat([tree.tokens[path[1:]], predicted[path[-1]].view(1)])
+    rows = logits[path] if keep_scores else None
+    return Accepted(path=path, tokens=tokens, scores=rows, logits=rows)
+
+
+def _next_token(processed: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token after scores `processed` [1, vocab], chosen as `GenerationMixin._sample` chooses it."""
+    if not do_sample:
+        return processed.argmax(dim=-1)
+    return torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1, generator=generator).squeeze(1)
+
+
+def accept_walk(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    do_sample: bool,
+    generator: torch.Generator | None = None,
+) -> Accepted:
+    """Walk the tree applying `logits_processor` with each visited node's own context (input_ids + path).
+    One host sync per visited node (does a child carry the chosen token?)."""
+    tokens, parents = tree.tokens, tree.parents
+    is_child = torch.ones_like(parents, dtype=torch.bool)
+    is_child[0] = False
+    node, path, new_tokens, scores = 0, [0], [], []
+    while True:
+        context = torch.cat([input_ids, tokens[path[1:]].unsqueeze(0).to(input_ids.device)], dim=1)
+        processed = logits_processor(context, logits[node : node + 1].clone())
+        scores.append(processed[0])
+        chosen = _next_token(processed, do_sample, generator)
+        new_tokens.append(chosen)
+        hit = ((parents == node) & is_child & (tokens == chosen)).nonzero()
+        if not hit.numel():
+            break
+        node = int(hit[0, 0])
+        path.append(node)
+    path_t = torch.tensor(path, device=logits.device)
+    return Accepted(
+        path=path_t,
+        tokens=torch.cat(new_tokens).to(logits.device),
+        scores=torch.stack(scores),
+        logits=logits[path_t],
+    )

@@ -1,0 +1,55 @@
+"""Few-row fp32 `nn.Linear` on CPU: the matmul layout that makes a small tree cost about one token.
+
+Why: for `x @ W.T` with a few rows, MKL's sgemm packs the weight before multiplying, so on a small CPU a few-token
+forward cost well over a 1-token one although both are bound by streaming the weights once. Computing `(W @ x.T).T`
+puts the weight in the operand MKL streams without packing, so a small tree verifies in about the time of one decode
+step (BENCHMARKS.md has the verify cost curve). From about MAX_ROWS rows the packed kernel is as fast, so larger
+inputs, the 1-row decode and the prefill keep `F.linear`.
+
+`few_row_linears(*models)` installs this on the fp32 CPU `nn.Linear` layers of the given models and restores them on
+exit; `dart_hf.core.runtime` enters it once per DART call, for the target and the head. Results differ from
+`F.linear` only in float rounding order, as any N-token forward already differs from N one-token forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_ROWS = 8
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` when x holds 2..MAX_ROWS rows."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 1 < rows <= MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def _eligible(module: nn.Module) -> bool:
+    """Plain fp32 CPU linears whose forward nobody else replaced (accelerate's offload hooks, quantizers)."""
+    return (
+        type(module) is nn.Linear
+        and "forward" not in module.__dict__
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32
+    )
+
+
+@contextmanager
+def few_row_linears(*models: nn.Module) -> Iterator[int]:
+    """Route the eligible linears of `models` through `few_row_linear` inside the block; yields their count."""
+    patched = [m for model in models for m in model.modules() if _eligible(m)]
+    for m in patched:
+        m.forward = lambda x, m=m: few_row_linear(x, m.weight, m.bias)
+    try:
+        yield len(patched)
+    finally:
+        for m in patched:
+            del m.forward

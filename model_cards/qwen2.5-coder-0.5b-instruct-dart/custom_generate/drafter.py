@@ -1,0 +1,92 @@
+"""The draft half of a DART step, shared by the tree loop (`dart_hf.core.loop`) and chain mode
+(`dart_hf.integrations.transformers.DartCandidateGenerator`): head forward + tree search (docs/DART_SPEC.md §1, §3).
+
+A `DartDrafter` lives for one `generate` call. It owns everything per-call that drafting needs: the head's KV
+cache, the target states of verified positions the head has not consumed yet, the n-gram model on the head's
+device, the EOS ids, prompt lookup and the tree-search parameters. The head itself is only read.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from .budget import cost_aware_budget
+from .modeling import DartHead, TargetModules
+from .prompt_lookup import lookup_for_tree
+from .stats import PhaseTimer
+from .tree import DraftTree, TreeSearchParams, build_tree
+
+
+def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
+    """The head config's fixed node budget, or (`node_budget=None`) the cost-aware budget's current best for this
+    target (`dart_hf.core.budget`)."""
+    if head.config.node_budget is not None:
+        return head.config.node_budget
+    return cost_aware_budget(head, target)
+
+
+def draft_depth(params: TreeSearchParams, max_new: int, num_predictions: int) -> int:
+    """How many of the head's K + 1 rows a step drafts: no deeper than the budget's tree can reach, than `max_new`
+    tokens allow, or than the head predicts (at least one row)."""
+    return max(1, min(params.node_budget, max_new, num_predictions))
+
+
+class DartDrafter:
+    """Proposes a draft tree per step from the target states of the positions verified since the last proposal."""
+
+    def __init__(
+        self,
+        head: DartHead,
+        target: PreTrainedModel,
+        *,
+        max_length: int,
+        node_budget: int,
+        prompt_lookup: bool,
+        eos_token_ids: torch.Tensor | None,
+    ):
+        self.head = head
+        self.device = head.device
+        self.modules = TargetModules.of(target)
+        self.cache = head.new_cache(capacity=max_length + head.config.num_predictions)
+        self.params = TreeSearchParams.from_config(head.config, node_budget=node_budget)
+        self.ngram = head.ngram.to(self.device) if head.ngram is not None else None
+        self.context_size = max(self.ngram.context_size if self.ngram is not None else 0, 1)
+        self.prompt_lookup = prompt_lookup
+        self.eos = eos_token_ids.to(self.device).view(-1) if eos_token_ids is not None else None
+        self._aux: torch.Tensor | None = None  # [1, r, 3H]: verified positions the head has not consumed
+        self._tokens: torch.Tensor | None = None  # [1, r]: the token that follows each of them
+
+    def advance(self, aux: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Record r newly verified positions: their target states `aux` [1, r, 3H] and the token after each
+        `tokens` [1, r] (for the last one: the target's own new token, the next tree's root)."""
+        aux, tokens = aux.to(self.device), tokens.to(self.device).view(1, -1)
+        if self._aux is not None:  # a step that proposed nothing (chain mode at the length limit)
+            aux, tokens = torch.cat([self._aux, aux], dim=1), torch.cat([self._tokens, tokens], dim=1)
+        self._aux, self._tokens = aux, tokens
+
+    def propose(self, input_ids: torch.Tensor, max_new: int, timer: PhaseTimer) -> DraftTree:
+        """The draft tree rooted at `input_ids`' last token, at most `max_new` tokens deep (>= 0), on the head's
+        device. The head drafts only as deep as the tree can reach: min(node budget, max_new, K + 1) rows."""
+        if self._aux is None:
+            raise RuntimeError("propose() before advance(): the head has no target states to draft from")
+        head, params = self.head, self.params
+        depth = draft_depth(params, max_new, head.config.num_predictions)
+        with timer.phase("draft"):
+            logits = head.draft(self._aux, self._tokens, self.cache, depth=depth, target_modules=self.modules)
+            self._aux = self._tokens = None
+        with timer.phase("tree"):
+            text = input_ids[0]
+            lookup = lookup_for_tree(text, depth, head.config, self.device) if self.prompt_lookup else None
+            return build_tree(
+                logits,
+                root_token=text[-1],
+                context=text[-self.context_size :],
+                params=params,
+                ngram=self.ngram,
+                draft_to_target=head.draft_to_target,
+                eos_token_ids=self.eos,
+                max_depth=max_new,
+                lookup=lookup,
+            )
+

@@ -1,0 +1,261 @@
+"""The DART tree decoding loop: prefill, then per step propose -> verify -> accept -> advance -> stop -> stream.
+
+`dart_decode` has the signature of a transformers decoding method, so `GenerationMixin.generate` prepares
+everything (GenerationConfig, logits processors and warpers, stopping criteria incl. stop strings, max
+length, the DynamicCache) and then hands over to it, either through `custom_generate=dart_decode` or through
+the `assistant_model=DartHead` routing installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
+The draft half lives in `drafter.py` (shared with chain mode), every temporary change to the target in
+`runtime.py`, the per-call results in `stats.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .acceptance import Accepted, accept_greedy, accept_walk
+from .budget import BudgetController, budget_controller
+from .drafter import DartDrafter, default_node_budget
+from .modeling import DartHead
+from .runtime import dart_runtime
+from .stats import DartStats, PhaseTimer
+from .target import check_head_matches_target, prepare_head
+from .tree import DraftTree
+from .verify import compact_cache, verify_tree
+
+
+@torch.no_grad()
+def dart_decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    dart_head: DartHead | None = None,
+    dart_streamer=None,
+    dart_node_budget: int | str | None = None,
+    dart_prompt_lookup: bool | None = None,
+    dart_timing: bool = False,
+    dart_stats: DartStats | None = None,
+    dart_budget_state=None,
+    **model_kwargs,
+):
+    """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless).
+
+    dart_head: the draft head (moved once to the target's device and dtype, `target.prepare_head`).
+    dart_streamer: a transformers streamer (transformers does not forward `streamer` to custom decoding callables).
+    dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
+    (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also means "auto").
+    dart_prompt_lookup: offer prompt-lookup continuations to the tree search; default: the head's config.
+    dart_timing: synchronise CUDA around phases so the phase times are exact.
+    dart_stats: a `DartStats` to fill (default: a new one); `dart_head.stats` points at it afterwards.
+    dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware statistics (default: the head's).
+    """
+    head = _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
+    cache = _empty_cache(model, model_kwargs)
+    use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
+    controller, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
+    stats = _start_stats(head, dart_stats, "auto" if controller else "fixed", budget)
+    timer = PhaseTimer(stats.time, head.device, dart_timing)
+    drafter = DartDrafter(head, model, max_length=generation_config.max_length, node_budget=budget,
+                          prompt_lookup=use_lookup, eos_token_ids=generation_config._eos_token_tensor)
+    output = _Output(generation_config)
+    accept = _acceptance_rule(generation_config, logits_processor, output.keep)
+    if dart_streamer is not None:
+        dart_streamer.put(input_ids.cpu())
+
+    with dart_runtime(model, head) as runtime:
+        with timer.phase("prefill"):
+            raw, processed, first = _prefill(model, input_ids, cache, logits_processor, generation_config.do_sample)
+            drafter.advance(runtime.take_aux(), torch.cat([input_ids[:, 1:], first], dim=1))
+        input_ids, n_new, finished = _append(input_ids, first.view(-1), stopping_criteria, processed)
+        stats.new_tokens = n_new
+        output.add(processed, raw, n_new)
+        _stream(dart_streamer, input_ids, n_new)
+        while not finished:
+            step_start = time.perf_counter()
+            if controller is not None:
+                drafter.params.node_budget = controller.next_budget()
+            budget, past_len = drafter.params.node_budget, cache.get_seq_length()
+            tree = drafter.propose(input_ids, generation_config.max_length - input_ids.shape[1] - 1, timer)
+            tree = tree.to(model.device)
+            with timer.phase("verify"):
+                logits = verify_tree(model, tree, cache, past_len)
+                tree_aux = runtime.take_aux()
+            with timer.phase("accept"):
+                acc = accept(tree, logits, input_ids)
+                compact_cache(cache, past_len, acc.path)
+                drafter.advance(tree_aux[:, acc.path.to(tree_aux.device)], acc.tokens)
+                input_ids, n_new, finished = _append(input_ids, acc.tokens, stopping_criteria, acc.scores)
+            if controller is not None:
+                verify_s = timer.last["verify"] if timer.exact else None
+                controller.observe_tree(tree, acc.path, budget, time.perf_counter() - step_start, verify_s)
+            stats.record_step(n_new, budget)
+            output.add(acc.scores, acc.logits, n_new)
+            _stream(dart_streamer, input_ids, n_new)
+
+    if dart_streamer is not None:
+        dart_streamer.end()
+    stats.node_budget = controller.best() if controller is not None else budget
+    return output.result(input_ids, cache)
+
+
+# ------------------------------------------------------------------------------------------------ set-up
+def _check_call(model, head, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
+    """Refuse, with the argument to blame, every call the loop cannot run exactly; place the head."""
+    if not isinstance(head, DartHead):
+        raise TypeError(f"dart_decode needs dart_head=<DartHead>, got {type(head).__name__}")
+    if model_kwargs.get("synced_gpus"):
+        raise ValueError("DART decoding does not support synced_gpus")
+    # beams / return sequences first: generate() has already expanded input_ids by them, and a "batch of 2"
+    # error would blame the wrong argument
+    if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
+        raise ValueError("DART decoding supports num_beams=1 and num_return_sequences=1")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"DART decoding supports batch size 1, got a batch of {input_ids.shape[0]}")
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"DART decoding needs a DynamicCache (tree entries are compacted in place); "
+            f"cache_implementation={generation_config.cache_implementation!r} is not supported"
+        )
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ValueError("DART decoding does not support padded inputs (attention_mask with zeros)")
+    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_pos is not None and generation_config.max_length > max_pos:
+        raise ValueError(
+            f"max_length {generation_config.max_length} (prompt {input_ids.shape[1]} + new tokens) exceeds the "
+            f"target's context of {max_pos} positions"
+        )
+    check_head_matches_target(head, model)
+    return prepare_head(head, model)
+
+
+def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
+    cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
+        raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled or static cache is not supported)")
+    return cache
+
+
+def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetController | None, int]:
+    """(the cost-aware controller or None, the first step's node budget)."""
+    if requested == "auto" or (requested is None and head.config.node_budget is None):
+        controller = budget_controller(head, model, prompt_lookup=use_lookup, state=state)
+        return controller, controller.max_budget
+    if isinstance(requested, str) or (requested is not None and int(requested) < 1):
+        raise ValueError(f'dart_node_budget must be a positive int or "auto", got {requested!r}')
+    return None, int(requested) if requested is not None else default_node_budget(head, model)
+
+
+def _start_stats(head: DartHead, stats: DartStats | None, budget_mode: str, budget: int) -> DartStats:
+    if stats is None:
+        stats = DartStats()
+    elif not isinstance(stats, DartStats):
+        raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
+    stats.reset(mode="tree", budget_mode=budget_mode, node_budget=budget)
+    head.stats = stats
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+def _prefill(model, input_ids, cache, logits_processor, do_sample: bool):
+    """(raw logits, processed scores, first new token [1, 1]) of the prompt, chosen as `generate` chooses it."""
+    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    raw = out.logits[:, -1].float()
+    processed = logits_processor(input_ids, raw.clone())
+    if do_sample:
+        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), 1)
+    return raw, processed, processed.argmax(dim=-1, keepdim=True)
+
+
+def _acceptance_rule(generation_config: GenerationConfig, logits_processor: LogitsProcessorList, keep_scores: bool):
+    """accept(tree, logits, input_ids) -> Accepted: the vectorised greedy rule when nothing processes the logits,
+    else the walk that applies the processors per visited node."""
+    do_sample = bool(generation_config.do_sample)
+    if not do_sample and len(logits_processor) == 0:
+        return lambda tree, logits, input_ids: accept_greedy(tree, logits, keep_scores)
+
+    def walk(tree: DraftTree, logits: torch.Tensor, input_ids: torch.Tensor) -> Accepted:
+        return accept_walk(tree, logits, input_ids, logits_processor, do_sample)
+
+    return walk
+
+
+def _append(input_ids, tokens: torch.Tensor, stopping_criteria: StoppingCriteriaList, scores):
+    """(input_ids + the new tokens up to the first stop, how many were kept, whether generation stops)."""
+    n_new = tokens.numel()
+    input_ids = torch.cat([input_ids, tokens.view(1, -1).to(input_ids.device)], dim=1)
+    stop = _first_stop(input_ids, n_new, stopping_criteria, scores)
+    if stop is None:
+        return input_ids, n_new, False
+    return input_ids[:, : input_ids.shape[1] - n_new + stop + 1], stop + 1, True
+
+
+def _first_stop(
+    input_ids: torch.Tensor, n_new: int, stopping_criteria: StoppingCriteriaList, scores
+) -> int | None:
+    """Index (0-based, within the n_new tokens just appended) of the first token after which generation stops,
+    checking every prefix as plain generate would have, one token at a time.
+
+    Fast path for the usual criteria (max length, EOS): arithmetic plus one vectorised EOS lookup, one host sync
+    per step instead of one per new token."""
+    start = input_ids.shape[1] - n_new
+    if all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria):
+        limit = n_new  # index of the first stopping token; n_new: none
+        for c in stopping_criteria:
+            if type(c) is MaxLengthCriteria:
+                limit = min(limit, max(c.max_length - start - 1, 0))
+        span = input_ids[0, start : start + limit]
+        for c in stopping_criteria:
+            if type(c) is EosTokenCriteria and span.numel():
+                c.eos_token_id = c.eos_token_id.to(input_ids.device)  # as EosTokenCriteria itself does
+                hit = torch.isin(span, c.eos_token_id).nonzero()
+                if hit.numel():
+                    limit = int(hit[0, 0])
+                    span = span[:limit]
+        return limit if limit < n_new else None
+    for j in range(n_new):
+        if bool(stopping_criteria(input_ids[:, : start + j + 1], scores).any()):
+            return j
+    return None
+
+
+def _stream(streamer, input_ids: torch.Tensor, n_new: int) -> None:
+    if streamer is not None:
+        streamer.put(input_ids[0, input_ids.shape[1] - n_new :].cpu())
+
+
+# ------------------------------------------------------------------------------------------------ output
+class _Output:
+    """The processed scores / raw logits of every new token when `return_dict_in_generate` asks for them."""
+
+    def __init__(self, generation_config: GenerationConfig):
+        self.config = generation_config
+        self.keep = bool(generation_config.return_dict_in_generate) and bool(
+            generation_config.output_scores or generation_config.output_logits
+        )
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+
+    def add(self, scores: torch.Tensor | None, logits: torch.Tensor | None, n_new: int) -> None:
+        """Rows [n, vocab] of the step's tokens; the first `n_new` are kept (the rest followed a stop)."""
+        if self.keep:
+            self.scores.extend(scores[:n_new].unsqueeze(1))
+            self.logits.extend(logits[:n_new].unsqueeze(1))
+
+    def result(self, input_ids: torch.Tensor, cache: DynamicCache):
+        if not self.config.return_dict_in_generate:
+            return input_ids
+        return GenerateDecoderOnlyOutput(
+            sequences=input_ids,
+            scores=tuple(self.scores) if self.config.output_scores else None,
+            logits=tuple(self.logits) if self.config.output_logits else None,
+            cache=cache if self.config.use_cache else None,
+        )

@@ -1,0 +1,49 @@
+"""Prompt lookup inside the draft tree: the continuation of the latest earlier occurrence of the text's ending.
+
+Why: text often repeats itself (code echoes the signature and names of its prompt, answers quote the question,
+small models loop), and such tokens are exactly the ones a one-layer head is unsure of. Transformers' own
+`prompt_lookup_num_tokens` drafts only this chain; DART offers it as one more candidate per depth of the beam
+search (`dart_hf.core.tree.build_tree`), so the node budget goes to whichever of head and lookup is more likely
+right. Measured offline on 40 + 40 held-out HumanEval / ShareGPT prompts with the SmolLM2 head (greedy,
+128 tokens): 3-node trees accept 1.56 -> 1.97 (HumanEval) and 1.56 -> 1.91 (ShareGPT) tokens per step.
+
+Vectorised over the context (one comparison of all n-gram windows per n), with no host sync, so it runs
+on the device that holds the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def lookup_continuation(
+    context: torch.Tensor, length: int, min_ngram: int = 2, max_ngram: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [length], valid [length]): the `length` tokens that followed the latest earlier occurrence of the
+    longest n-gram (max_ngram down to min_ngram) that `context` [T] ends with; `valid` is False past the end of
+    the context or everywhere when nothing matches."""
+    t = context.numel()
+    device = context.device
+    start = torch.full((), -1, dtype=torch.long, device=device)
+    for n in range(min_ngram, max_ngram + 1):  # a longer match overrides a shorter one
+        if t <= n:
+            break
+        windows = context.unfold(0, n, 1)[:-1]  # every n-gram that starts before the final one
+        hit = (windows == context[t - n :]).all(dim=1)
+        latest = torch.where(hit, torch.arange(hit.numel(), device=device), -1).max()
+        start = torch.where(latest >= 0, latest + n, start)
+    index = start + torch.arange(length, device=device)
+    valid = (start >= 0) & (index < t)
+    return context[index.clamp(0, max(t - 1, 0))], valid
+
+
+def lookup_for_tree(
+    context: torch.Tensor, length: int, config, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookup_continuation` with a head config's n-gram range, on the head's device: the `lookup` argument of
+    `dart_hf.core.tree.build_tree`."""
+    tokens, valid = lookup_continuation(context, length, config.lookup_min_ngram, config.lookup_max_ngram)
+    return tokens.to(device), valid.to(device)
+
+
+__all__ = ["lookup_continuation", "lookup_for_tree"]

@@ -1,0 +1,253 @@
+"""Draft tree construction: beam search over the head's K+1 distributions, rescored by an n-gram model.
+
+This follows the reference search (`Searcher::search` of the DART release, docs/DART_SPEC.md §3) step by step, in
+float32 as it does. With p_d(x) the softmax over the head's top-k logits at depth d, extending a partial draft s by
+token x at depth d adds
+    level_w(d) * (log(p_d(x) + 1e-10) * logit_w(d) + log(P_ngram(x | last n-1 tokens of text + s) + 1e-10) * ngram_w)
+with level_w(d) = (d+1)^-level_decay, logit_w(d) = logit_decay^d, and no n-gram term at d = 0. The next beams are the
+`beam_width` best extensions, drafts ending in EOS ranked after all others (they are extended only when there are
+not enough other drafts). Every scored extension goes into a pool; the best `node_budget` of the pool (plus the
+root) form the tree. Ties are broken by pool order (depth, then beam rank, then top-k rank), i.e. by stable sorts:
+the reference's `std::sort` leaves ties unspecified, and a stable order is the one that keeps the tree closed.
+
+With a prompt-lookup continuation c_1..c_L (`dart_hf.core.prompt_lookup`, beyond the reference), the beam that
+holds c_1..c_d gets c_{d+1} as one more candidate at depth d+1, whose term is logit_w(d) * `lookup_logp` (no
+n-gram term); when the head already proposes that token there, the candidate keeps the better of the two terms.
+
+`search="best_first"` (beyond the reference, as DDTree / CAST): the tree is the `node_budget` drafts with the highest
+path scores, where a depth adds log p_d(x) with p_d the head's softmax over its whole (draft) vocabulary, plus the
+same n-gram and lookup terms, with no level or logit decays. It is the same search with `beam_width = node_budget`:
+a draft among the best B overall has an ancestor at every depth that is among that depth's best B (a worse
+ancestor would be outranked by B nodes, and so would its descendants), so a B-wide beam drops none of them.
+
+Everything is batched torch over (beams x top-k) per depth: the only Python loop is over depths (K+1).
+Every term is <= 0, so scores never increase along a path and a parent precedes its children in pool order:
+the chosen set is closed under ancestors, which `DraftTree.check_closed` asserts in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .configuration import DartConfig
+from .ngram import NGramModel
+
+LOG_EPS = 1e-10  # inside every log, as the reference: a probability of 0 scores log(1e-10), not -inf
+
+
+@dataclass
+class TreeSearchParams:
+    """Tree search settings; the defaults are DartConfig's (the reference values), stated there once."""
+
+    search: str = DartConfig.tree_search
+    top_k: int = DartConfig.tree_top_k
+    beam_width: int = DartConfig.beam_width
+    node_budget: int = DartConfig.node_budget
+    level_decay: float = DartConfig.level_decay
+    logit_decay: float = DartConfig.logit_decay
+    ngram_weight: float = DartConfig.ngram_weight
+    lookup_logp: float = DartConfig.lookup_logp
+
+    @classmethod
+    def from_config(cls, config, node_budget: int | None = None) -> "TreeSearchParams":
+        return cls(
+            search=config.tree_search,
+            top_k=config.tree_top_k,
+            beam_width=config.beam_width,
+            node_budget=node_budget if node_budget is not None else (config.node_budget or DartConfig.node_budget),
+            level_decay=config.level_decay,
+            logit_decay=config.logit_decay,
+            ngram_weight=config.ngram_weight,
+            lookup_logp=config.lookup_logp,
+        )
+
+
+@dataclass
+class DraftTree:
+    """A draft tree in verification order (parents before children; node 0 is the root).
+
+    tokens [N] target token ids; parents [N] (root's parent is 0); depths [N] (root 0);
+    ancestor_mask [N, N]: mask[i, j] is True when j is i or an ancestor of i; scores [N] beam-search scores
+    (root 0). All on one device.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestor_mask: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def retrieve_indices(self) -> torch.Tensor:
+        """One row per leaf: node indices from the root to that leaf, padded with -1 (spec 3 encoding)."""
+        n = self.size
+        has_child = torch.zeros(n, dtype=torch.bool, device=self.tokens.device)
+        has_child[self.parents[1:]] = True
+        leaves = (~has_child).nonzero().squeeze(1)
+        rows, cols = self.ancestor_mask[leaves].nonzero(as_tuple=True)
+        out = torch.full((leaves.numel(), int(self.depths.max()) + 1), -1, dtype=torch.long, device=self.tokens.device)
+        out[rows, self.depths[cols]] = cols
+        return out
+
+    def to(self, device: torch.device) -> "DraftTree":
+        if self.tokens.device == torch.device(device):
+            return self
+        return DraftTree(
+            *(t.to(device) for t in (self.tokens, self.parents, self.depths, self.ancestor_mask, self.scores))
+        )
+
+    def best_chain(self) -> torch.Tensor:
+        """Node indices (root first) of the best-scoring draft among the deepest ones: the tree as a chain."""
+        deepest = torch.where(self.depths == self.depths.max(), self.scores, float("-inf")).argmax()
+        return self.ancestor_mask[deepest].nonzero().squeeze(1)
+
+    def check_closed(self) -> None:
+        """Every node's parent is in the tree and comes before it; depths agree with parents."""
+        idx = torch.arange(self.size, device=self.tokens.device)
+        assert bool((self.parents[1:] < idx[1:]).all()), "a parent must precede its child"
+        assert bool((self.depths[1:] == self.depths[self.parents[1:]] + 1).all()), "depth must be parent depth + 1"
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[N, N] self-or-ancestor mask by pointer jumping up `max_depth` levels (no per-node loop)."""
+    n = parents.numel()
+    idx = torch.arange(n, device=parents.device)
+    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    mask[idx, idx] = True
+    cur = idx
+    for _ in range(max_depth):
+        cur = parents[cur]
+        mask[idx, cur] = True
+    return mask
+
+
+def _add_lookup_candidate(
+    logp: torch.Tensor,
+    cand: torch.Tensor,
+    lookup: tuple[torch.Tensor, torch.Tensor],
+    d: int,
+    on_lookup: torch.Tensor,
+    lookup_term: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append one candidate column [beams, k+1]: the lookup token c_{d+1}, with term `lookup_term`, for the beam on
+    the lookup path; -inf (never chosen) elsewhere or where the head already proposes it (that entry keeps the
+    better term)."""
+    tokens, valid = lookup
+    token = tokens[d].expand(cand.shape[0], 1)
+    on = (on_lookup & valid[d]).unsqueeze(1)
+    lookup_logp = torch.full_like(logp[:, :1], lookup_term)
+    same = (cand == token) & on
+    logp = torch.where(same, torch.maximum(logp, lookup_logp), logp)
+    extra = lookup_logp.masked_fill(~on | same.any(dim=1, keepdim=True), float("-inf"))
+    return torch.cat([logp, extra], dim=1), torch.cat([cand, token], dim=1)
+
+
+def _ranked(scores: torch.Tensor, is_eos: torch.Tensor | None) -> torch.Tensor:
+    """Indices of `scores` best first, ties in index order; EOS entries after all others, -inf entries last."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    group = torch.zeros_like(scores, dtype=torch.long) if is_eos is None else is_eos.long()
+    group = torch.where(torch.isfinite(scores), group, 2)
+    return order[torch.sort(group[order], stable=True).indices]
+
+
+def build_tree(
+    draft_logits: torch.Tensor,
+    root_token: torch.Tensor,
+    context: torch.Tensor,
+    params: TreeSearchParams,
+    ngram: NGramModel | None = None,
+    draft_to_target: torch.Tensor | None = None,
+    eos_token_ids: torch.Tensor | None = None,
+    max_depth: int | None = None,
+    lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> DraftTree:
+    """Beam-search a draft tree.
+
+    draft_logits [D, Vd]: row d scores the token at tree depth d+1. root_token: 0-d tensor (the bonus
+    token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
+    last `ngram.context_size` are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
+    max_depth caps the depth (so no node lies past max_new_tokens). lookup: (tokens [>= D], valid [>= D]) from
+    `dart_hf.core.prompt_lookup.lookup_continuation`, or None.
+    """
+    device = draft_logits.device
+    # The best B nodes are closed under ancestors and outrank every other node of their depth, so beams wider than
+    # B and depths past B cannot change the tree (small CPU budgets search cheaply). top-k stays: the n-gram term
+    # can lift a token the head ranks below B.
+    budget = max(int(params.node_budget), 1)
+    depth_limit = min(draft_logits.shape[0] if max_depth is None else max_depth, draft_logits.shape[0], budget)
+    k = min(params.top_k, draft_logits.shape[1])
+    best_first = params.search == "best_first"
+    if best_first:  # calibrated across depths: the whole softmax; no decays; every draft of the best B kept
+        top_logp, top_ids = draft_logits[:depth_limit].float().log_softmax(dim=-1).topk(k, dim=-1)
+        level_decay, logit_decay, beam_width = 0.0, 1.0, budget
+    else:
+        top_logits, top_ids = draft_logits[:depth_limit].float().topk(k, dim=-1)
+        top_logp = torch.log(torch.softmax(top_logits, dim=-1) + LOG_EPS)  # softmax over the k kept (reference)
+        level_decay, logit_decay, beam_width = params.level_decay, params.logit_decay, params.beam_width
+    if draft_to_target is not None:
+        top_ids = draft_to_target[top_ids]
+    hist_len = max(ngram.context_size if ngram is not None else 0, 1)
+    ctx = context[-hist_len:].to(device=device, dtype=torch.long)
+    if ctx.numel() < hist_len:
+        ctx = torch.cat([ctx.new_full((hist_len - ctx.numel(),), -1), ctx])
+    f32 = lambda w: torch.tensor(w, dtype=torch.float32, device=device)  # weights are float32 in the reference
+    ngram_w = f32(params.ngram_weight)
+
+    # pool of every scored node; index 0 is the root
+    pool_tokens = [root_token.view(1).to(device=device, dtype=torch.long)]
+    pool_parents = [torch.zeros(1, dtype=torch.long, device=device)]
+    pool_depths = [torch.zeros(1, dtype=torch.long, device=device)]
+    pool_scores = [torch.zeros(1, device=device)]
+    pool_size = 1
+
+    beam_scores = torch.zeros(1, device=device)
+    beam_nodes = torch.zeros(1, dtype=torch.long, device=device)
+    beam_hist = ctx.view(1, hist_len)
+    beam_on_lookup = torch.ones(1, dtype=torch.bool, device=device)  # the beam's path is c_1..c_d
+    for d in range(depth_limit):
+        term = (top_logp[d] * f32(logit_decay**d)).unsqueeze(0).expand(beam_scores.numel(), k)
+        cand = top_ids[d].unsqueeze(0).expand_as(term)
+        if ngram is not None and d > 0 and params.ngram_weight != 0:
+            term = term + torch.log(ngram.prob(beam_hist, cand) + LOG_EPS) * ngram_w
+        if lookup is not None:  # after the n-gram term: a lookup proposal is scored by lookup_logp alone
+            lookup_term = logit_decay**d * params.lookup_logp
+            term, cand = _add_lookup_candidate(term, cand, lookup, d, beam_on_lookup, lookup_term)
+        scores = beam_scores.unsqueeze(1) + f32((d + 1) ** -level_decay) * term
+        width = scores.numel()
+        flat, flat_cand = scores.reshape(-1), cand.reshape(-1)
+        pool_tokens.append(flat_cand)
+        pool_parents.append(beam_nodes.unsqueeze(1).expand_as(scores).reshape(-1))
+        pool_depths.append(torch.full((width,), d + 1, dtype=torch.long, device=device))
+        pool_scores.append(flat)
+        is_eos = torch.isin(flat_cand, eos_token_ids) if eos_token_ids is not None else None
+        sel = _ranked(flat, is_eos)[: min(beam_width, width, budget)]
+        beam_scores, beam_nodes = flat[sel], pool_size + sel
+        parent_beam = sel // cand.shape[1]
+        if lookup is not None:
+            beam_on_lookup = beam_on_lookup[parent_beam] & (flat_cand[sel] == lookup[0][d])
+        beam_hist = torch.cat([beam_hist[parent_beam, 1:], flat_cand[sel].unsqueeze(1)], dim=1)
+        pool_size += width
+
+    tokens, parents = torch.cat(pool_tokens), torch.cat(pool_parents)
+    depths, scores = torch.cat(pool_depths), torch.cat(pool_scores)
+    chosen = _ranked(scores[1:], None)[: min(budget, pool_size - 1)] + 1
+    chosen = chosen[torch.isfinite(scores[chosen])]  # never a placeholder (-inf) lookup column
+    chosen = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen.sort().values])
+    # pool indices grow with depth, so sorting keeps parents before children; remap parents to tree indices
+    tree_index = torch.full((pool_size,), -1, dtype=torch.long, device=device)
+    tree_index[chosen] = torch.arange(chosen.numel(), device=device)
+    tree_parents = tree_index[parents[chosen]]
+    tree_parents[0] = 0
+    return DraftTree(
+        tokens=tokens[chosen],
+        parents=tree_parents,
+        depths=depths[chosen],
+        ancestor_mask=ancestor_mask(tree_parents, depth_limit),
+        scores=scores[chosen],
+    )
