@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -161,26 +162,21 @@ class AnchorCollator:
         self.data, self.order, self.n_anchors, self.seed = data, order, n_anchors, seed
 
     def __call__(self, places: list[int]) -> dict[str, torch.Tensor]:
-        seqs = [self.data[self.order[p]] for p in places]
+        index = [self.order[p] for p in places]
+        seqs = [self.data[i] for i in index]
         anchors = [anchor_positions(s, self.n_anchors, random.Random(self.seed * 1_000_003 + p))
                    for s, p in zip(seqs, places)]
-        width, a = max(s.ids.numel() for s in seqs), max(len(x) for x in anchors)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for row, s in enumerate(seqs):
-            ids[row, : s.ids.numel()] = s.ids
+        a = max(len(x) for x in anchors)
         batch = {
-            "ids": ids,
+            "ids": pad_sequence([s.ids for s in seqs], batch_first=True),
             "lengths": torch.tensor([s.ids.numel() for s in seqs]),
             "anchors": torch.tensor([x + [x[0]] * (a - len(x)) for x in anchors]),
             "anchor_valid": torch.tensor([[True] * len(x) + [False] * (a - len(x)) for x in anchors]),
             "response_tokens": torch.tensor(sum(s.ids.numel() - s.prompt_length for s in seqs)),
-            "index": torch.tensor([self.order[p] for p in places]),
+            "index": torch.tensor(index),
         }
         if isinstance(seqs[0], Example):
-            aux = torch.zeros(len(seqs), width - 1, seqs[0].aux.shape[-1], dtype=seqs[0].aux.dtype)
-            for row, s in enumerate(seqs):
-                aux[row, : s.aux.shape[0]] = s.aux
-            batch["aux"] = aux
+            batch["aux"] = pad_sequence([s.aux for s in seqs], batch_first=True)  # aux rows: T - 1 per sequence
         return batch
 
 
@@ -212,18 +208,13 @@ class FeatureCache:
                               f"{available / 2**30:.1f} GiB of memory is available: train without it (the target "
                               "then runs on every batch)")
 
-    def get(self, index: torch.Tensor, lengths: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(aux [B, T-1, 3H], final [B, T-1, H]) zero-padded like `target_features`, or None if a row is missing."""
+    def get(self, index: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(aux [B, T-1, 3H], final [B, T-1, H]) zero-padded to the batch's T like `target_features`, or None if a
+        row is missing."""
         keys = index.tolist()
         if not all(k in self.rows for k in keys):
             return None
-        width = int(lengths.max()) - 1
-        aux0, final0 = self.rows[keys[0]]
-        aux = aux0.new_zeros(len(keys), width, aux0.shape[-1])
-        final = final0.new_zeros(len(keys), width, final0.shape[-1])
-        for row, k in enumerate(keys):
-            a, f = self.rows[k]
-            aux[row, : a.shape[0]], final[row, : f.shape[0]] = a, f
+        aux, final = (pad_sequence([self.rows[k][part] for k in keys], batch_first=True) for part in (0, 1))
         return aux.to(device, non_blocking=True), final.to(device, non_blocking=True)
 
     def put(self, index: torch.Tensor, lengths: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> None:
@@ -401,7 +392,7 @@ def train_head(
                 aux = batch["aux"]
                 token = ids.gather(1, (position + 1).clamp(max=ids.shape[1] - 1).flatten(1)).view(position.shape)
             else:
-                cached = None if cache is None else cache.get(batch["index"], lengths, ids.device)
+                cached = None if cache is None else cache.get(batch["index"], ids.device)
                 aux, final = cached or target_features(target, layer_ids, ids, lengths)
                 if cache is not None and cached is None:
                     cache.put(batch["index"], lengths, aux, final)
