@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from dart_hf.training import corpus as corpus_module
 from dart_hf.training.corpus import CORPUS_FILE, Corpus, import_responses, load_corpus, regenerate
 from dart_hf.tools.assets import load_sharegpt
 from dart_hf.training.data import prompt_token_ids, sharegpt_code_prompts
-from dart_hf.training.train import TrainConfig, batch_loss, kl_terms, new_head, train_head
+from dart_hf.training.train import (TeacherTargets, TrainConfig, batch_loss, kl_terms, new_head, target_over_draft,
+                                   teacher_targets, train_head)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -130,7 +132,8 @@ def test_kl_loss_matches_a_hand_computed_value_and_is_minimised_by_the_target():
     head = torch.tensor([[[[1.0, 0.0, 0.0], [0.0, 1.0, 2.0]]]])
     valid = torch.ones(1, 1, 2, dtype=torch.bool)
     labels = torch.zeros(1, 1, 2, dtype=torch.long)
-    total, weight = batch_loss("kl", head, valid, labels, 0.6, teacher, draft)
+    targets = TeacherTargets(*target_over_draft(teacher, draft), argmax=teacher.argmax(-1))
+    total, weight = batch_loss("kl", head, valid, labels, 0.6, targets)
     want = 0.0
     for d, gamma_d in enumerate([1.0, 0.6]):
         p = [math.exp(x) for x in teacher[0, 0, d].tolist()]
@@ -145,16 +148,34 @@ def test_kl_loss_matches_a_hand_computed_value_and_is_minimised_by_the_target():
     assert float(total) == pytest.approx(want, rel=1e-5)
     # the renormalised target distribution is the minimum: zero loss, zero gradient, anything else is worse
     best = teacher[..., draft].log_softmax(-1).clone().requires_grad_(True)
-    at_best, _ = batch_loss("kl", best, valid, labels, 0.6, teacher, draft)
+    at_best, _ = batch_loss("kl", best, valid, labels, 0.6, targets)
     at_best.backward()
     assert float(at_best.detach()) == pytest.approx(0.0, abs=1e-6)
     assert best.grad.abs().max() < 1e-6
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         other = best.detach() + 0.3 * torch.randn(best.shape, generator=g)
-        assert float(batch_loss("kl", other, valid, labels, 0.6, teacher, draft)[0]) > 1e-4
-    kl, mass = kl_terms(teacher, teacher, None)  # full vocab: no renormalisation, mass 1
-    assert torch.allclose(mass, torch.ones_like(mass)) and kl.abs().max() < 1e-6
+        assert float(batch_loss("kl", other, valid, labels, 0.6, targets)[0]) > 1e-4
+    log_p, mass = target_over_draft(teacher, None)  # full vocab: no renormalisation, mass 1
+    assert torch.allclose(mass, torch.ones_like(mass)) and kl_terms(teacher, log_p).abs().max() < 1e-6
+
+
+def test_teacher_targets_at_distinct_rows_equal_the_per_anchor_computation():
+    """Overlapping anchors share rows: computing each distinct row once must give every (anchor, depth) the
+    row it reads, in every sequence of the batch (rows past the end clamp to the last one)."""
+    g = torch.Generator().manual_seed(0)
+    lm_head = torch.nn.Linear(6, 11, bias=False)
+    target = SimpleNamespace(get_output_embeddings=lambda: lm_head, config=SimpleNamespace(
+        get_text_config=lambda: SimpleNamespace(final_logit_softcapping=None)))
+    final = torch.randn(3, 9, 6, generator=g)
+    position = torch.tensor([[0, 1, 4], [2, 3, 8]]).view(1, 2, 3).repeat(3, 1, 1) + torch.tensor([0, 1, 5]).view(3, 1, 1)
+    draft = torch.tensor([0, 3, 4, 7, 10])
+    got = teacher_targets(target, final, position, draft)
+    rows = position.clamp(max=8)
+    direct = lm_head(final[torch.arange(3).view(3, 1, 1), rows]).detach()
+    want_log_p, want_mass = target_over_draft(direct, draft)
+    assert torch.allclose(got.log_p_s, want_log_p, atol=1e-6) and torch.allclose(got.mass, want_mass, atol=1e-6)
+    assert torch.equal(got.argmax, direct.argmax(-1))
 
 
 DP_WORKER = textwrap.dedent('''
