@@ -87,8 +87,8 @@ def _regenerate(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--out", required=True, help="corpus folder (created, or grown when it exists)")
     p.add_argument("--prompts", default="sharegpt",
-                   help="'sharegpt' (training split), 'sharegpt-code' (its chats about code), 'code' (HumanEval "
-                   "from problem 100) or a JSONL file with a 'prompt' per line")
+                   help="'sharegpt' (training split), 'sharegpt-code' (its chats about code), 'sharegpt-chat' (its "
+                   "other chats), 'code' (HumanEval from problem 100) or a JSONL file with a 'prompt' per line")
     p.add_argument("--responses", default=None,
                    help="import this JSONL of {'prompt', 'response'} texts from another engine instead of generating")
     p.add_argument("--num-prompts", type=int, default=2000)
@@ -142,6 +142,8 @@ def _ngram(sub) -> None:
                  "build the n-gram table of a head from ShareGPT + regenerated answers")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--features", default=None, help="feature shards of `dart-hf train` (regenerated answers)")
+    p.add_argument("--corpus", nargs="*", default=[], metavar="DIR",
+                   help="token corpora (`dart-hf regenerate`) whose answers to add, like the feature shards'")
     p.add_argument("--out", required=True, help="output .safetensors file (e.g. <head>/ngram.safetensors)")
     p.add_argument("--order", type=int, default=3)
     p.add_argument("--min-count", type=int, default=2, help="drop 2..n-grams seen fewer times")

@@ -54,7 +54,7 @@ def _init_worker(path: str, threads: int, n_ctx: int) -> None:
 def _answer(job: tuple[list[int], int, list[int]]) -> tuple[list[int], list[int]]:
     """Greedy answer token ids to one prompt: argmax at every step (temperature 0, no repeat penalty)."""
     prompt, max_new_tokens, eos_ids = job
-    _worker_llm.reset()
+    _worker_llm.reset()  # else generate() reuses the previous prompt's cached prefix: answers may depend on order
     out: list[int] = []
     for token in _worker_llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
         out.append(int(token))
@@ -82,13 +82,16 @@ def main() -> None:
     eos_ids = eos_token_ids(target, tokenizer)
     path = str(args.gguf or gguf_path(args.target))
     texts = training_prompts(args.prompts, args.skip + (args.check or args.num_prompts))[args.skip :]
-    prompts = list(dict.fromkeys(tuple(prompt_token_ids(tokenizer, t)) for t in texts))
-    n_ctx = max(len(p) for p in prompts) + args.max_new_tokens + 8
     if args.check:
-        check(target, tokenizer, [list(p) for p in prompts], path, args, n_ctx, eos_ids)
+        prompts = [prompt_token_ids(tokenizer, t) for t in dict.fromkeys(texts)]
+        check(target, tokenizer, prompts, path, args, max(map(len, prompts)) + args.max_new_tokens + 8, eos_ids)
         return
     corpus = Corpus(args.out, target.config.get_text_config().vocab_size, eos_ids)
-    todo = [(list(p), args.max_new_tokens, eos_ids) for p in prompts if p not in corpus.done]
+    todo = [(list(p), args.max_new_tokens, eos_ids) for p in corpus.pending(tokenizer, texts)]
+    if not todo:
+        print(f"every prompt is already answered in {corpus.path}")
+        return
+    n_ctx = max(len(prompt) for prompt, _, _ in todo) + args.max_new_tokens + 8
     del target
     started, tokens = time.perf_counter(), 0
     with mp.get_context("spawn").Pool(args.processes, _init_worker, (path, args.threads, n_ctx)) as pool, \

@@ -23,7 +23,7 @@ from dart_hf.tools.offline_acceptance import draft_rows, mean_accepted_length, r
 from dart_hf.training import corpus as corpus_module
 from dart_hf.training.corpus import CORPUS_FILE, Corpus, import_responses, load_corpus, regenerate
 from dart_hf.tools.assets import load_sharegpt
-from dart_hf.training.data import prompt_token_ids, sharegpt_code_prompts
+from dart_hf.training.data import prompt_token_ids, sharegpt_chat_prompts, sharegpt_code_prompts
 from dart_hf.training.train import (TeacherTargets, TrainConfig, batch_loss, kl_terms, new_head, target_over_draft,
                                    teacher_targets, train_head)
 
@@ -268,6 +268,9 @@ def test_code_prompts_are_the_training_chats_with_fenced_code(tmp_path):
     assert sharegpt_code_prompts(7, path=path) == expected[:7]
     heldout = {t[0]["content"] for t in load_sharegpt("heldout", path=path)}
     assert not set(sharegpt_code_prompts(None, path=path)) & heldout
+    chat = [t[0]["content"] for t in train if t[0]["content"] not in set(expected)]
+    assert sharegpt_chat_prompts(None, path=path) == chat  # the two sources partition the training split
+    assert sharegpt_chat_prompts(5, path=path) == chat[:5]
 
 
 def _varied_corpus(path: Path, n: int = 24) -> None:
@@ -275,6 +278,18 @@ def _varied_corpus(path: Path, n: int = 24) -> None:
     corpus = Corpus(path, vocab_size=112, eos_ids=[1])
     corpus.append([{"prompt": torch.randint(5, 112, (4 + i % 5,), generator=g).tolist(),
                     "response": torch.randint(5, 112, (3 + (i * 7) % 19,), generator=g).tolist()} for i in range(n)])
+
+
+def test_ngram_counts_the_answers_of_several_token_corpora_twice_and_never_their_prompts(tmp_path, monkeypatch):
+    from dart_hf.training import ngram_corpus
+
+    monkeypatch.setattr(ngram_corpus, "load_sharegpt", lambda split, limit=None: [])  # answers only
+    for name, answer in (("a", [7, 8, 9]), ("b", [7, 8, 10])):
+        Corpus(tmp_path / name, vocab_size=112, eos_ids=[1]).append([{"prompt": [50, 51, 52], "response": answer}])
+    ngram = ngram_corpus.build_ngram(make_word_tokenizer(), 112, corpora=[tmp_path / "a", tmp_path / "b"])
+    probs = ngram.prob(torch.tensor([[7, 8], [50, 51]]), torch.tensor([[9, 10], [52, 52]]))
+    assert probs[0].tolist() == [0.5, 0.5]  # 7 8 -> 9 and 7 8 -> 10, each counted twice: kept at min_count 2
+    assert probs[1].tolist() == [0.0, 0.0]  # prompts are not counted
 
 
 def test_cached_features_train_like_fresh_ones_and_skip_the_target_after_the_first_epoch(tmp_path, monkeypatch):

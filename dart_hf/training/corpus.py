@@ -33,8 +33,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..tools.assets import HUMANEVAL_INSTRUCTION, load_humaneval
-from .data import (_chunks, generate_batch, greedy_config, prompt_token_ids, sharegpt_code_prompts,
-                   sharegpt_training_prompts)
+from .data import (_chunks, generate_batch, greedy_config, prompt_token_ids, sharegpt_chat_prompts,
+                   sharegpt_code_prompts, sharegpt_training_prompts)
 
 CORPUS_FILE = "corpus.jsonl"
 META_FILE = "corpus.meta.json"
@@ -91,6 +91,12 @@ class Corpus:
                 os.fsync(handle.fileno())
         return len(fresh)
 
+    def pending(self, tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[tuple[int, ...]]:
+        """The chat-template prompt ids of `texts` not answered yet, each once, in first-seen order: what a
+        (resumed) regeneration run still has to answer, whichever engine answers it."""
+        prompts = dict.fromkeys(tuple(prompt_token_ids(tokenizer, text)) for text in texts)
+        return [ids for ids in prompts if ids not in self.done]
+
 
 def repair_torn_tail(path: Path) -> None:
     """Cut a last line that a killed writer left without its newline (it may be half a JSON object)."""
@@ -144,8 +150,7 @@ def regenerate(
 ) -> Corpus:
     """Greedy answers of the target to `prompts`, appended to the corpus in `out_dir` (resumable, deduplicated)."""
     corpus = Corpus(out_dir, target.config.get_text_config().vocab_size, eos_token_ids(target, tokenizer))
-    todo = list(dict.fromkeys(tuple(prompt_token_ids(tokenizer, t)) for t in prompts))
-    todo = [ids for ids in todo if ids not in corpus.done]
+    todo = corpus.pending(tokenizer, prompts)
     todo.sort(key=len, reverse=True)  # similar lengths per batch: little padding
     config = greedy_config(target, tokenizer, max_new_tokens)
     tokens = 0
@@ -196,17 +201,20 @@ def _read_pairs(path: Path) -> Iterator[dict]:
 
 def training_prompts(source: str, num_prompts: int) -> list[str]:
     """User texts for regeneration: `"sharegpt"` (training split), `"sharegpt-code"` (its chats about code),
-    `"code"` (HumanEval problems from `CODE_PROMPTS_START` on) or a JSONL file whose lines carry a string `prompt`."""
+    `"sharegpt-chat"` (its other chats), `"code"` (HumanEval problems from `CODE_PROMPTS_START` on) or a JSONL file
+    whose lines carry a string `prompt`."""
     if source == "sharegpt":
         return sharegpt_training_prompts(num_prompts)
     if source == "sharegpt-code":
         return sharegpt_code_prompts(num_prompts)
+    if source == "sharegpt-chat":
+        return sharegpt_chat_prompts(num_prompts)
     if source == "code":
         problems = load_humaneval()[CODE_PROMPTS_START:][:num_prompts]
         return [HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"]) for p in problems]
     path = Path(source)
     if not path.is_file():
-        raise ValueError(f"prompts must be 'sharegpt', 'sharegpt-code', 'code' or a JSONL file of "
+        raise ValueError(f"prompts must be 'sharegpt', 'sharegpt-code', 'sharegpt-chat', 'code' or a JSONL file of "
                          f"{{\"prompt\": ...}} lines; {source!r} is none of these")
     texts = []
     with path.open(encoding="utf-8") as handle:

@@ -74,14 +74,30 @@ def sharegpt_training_prompts(num_prompts: int | None) -> list[str]:
 CODE_FENCE = "```"
 
 
+def is_code_chat(turns: list[dict]) -> bool:
+    """A ShareGPT chat about code: its opening turn or first answer holds a fenced code block (ShareGPT's answers
+    fence code; about one chat in five)."""
+    answer = turns[1]["content"] if len(turns) > 1 else ""
+    return CODE_FENCE in turns[0]["content"] or CODE_FENCE in answer
+
+
 def sharegpt_code_prompts(num_prompts: int | None, path: str | Path | None = None) -> list[str]:
-    """Opening user turns of the training conversations about code, the first `num_prompts` in file order: those
-    whose opening turn or first answer holds a fenced code block (ShareGPT's answers fence code; about one chat in
-    five). The code split of the training data; HumanEval stays held out. `path`: another ShareGPT file (tests)."""
+    """Opening user turns of the training conversations about code (`is_code_chat`), the first `num_prompts` in
+    file order. The code split of the training data; HumanEval stays held out. `path`: another ShareGPT file."""
+    return _sharegpt_prompts_where(True, num_prompts, path)
+
+
+def sharegpt_chat_prompts(num_prompts: int | None, path: str | Path | None = None) -> list[str]:
+    """Opening user turns of the other training conversations (not `is_code_chat`), the first `num_prompts` in file
+    order: with `sharegpt_code_prompts` a partition of the training chats (a popular prompt can still open chats of
+    both kinds), so corpora grown from the two add different data."""
+    return _sharegpt_prompts_where(False, num_prompts, path)
+
+
+def _sharegpt_prompts_where(code: bool, num_prompts: int | None, path: str | Path | None) -> list[str]:
     prompts = []
     for turns in load_sharegpt("train", path=path):
-        answer = turns[1]["content"] if len(turns) > 1 else ""
-        if CODE_FENCE in turns[0]["content"] or CODE_FENCE in answer:
+        if is_code_chat(turns) == code:
             prompts.append(turns[0]["content"])
             if num_prompts is not None and len(prompts) >= num_prompts:
                 break

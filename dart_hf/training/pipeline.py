@@ -28,8 +28,7 @@ from ..core.ngram import FILE_NAME as NGRAM_FILE
 from ..core.ngram import NGramModel
 from .data import sharegpt_training_prompts
 from .features import collect_features
-from .corpus import load_corpus
-from .ngram_corpus import build_ngram, corpus_sequences
+from .ngram_corpus import build_ngram
 from .train import TrainConfig, train_head
 
 
@@ -98,9 +97,7 @@ def _ngram(tokenizer, vocab_size: int, args: argparse.Namespace, data: Path) -> 
     latter twice, as `build_ngram` weighs them."""
     if not args.corpus:
         return build_ngram(tokenizer, vocab_size, data, min_count=args.ngram_min_count)
-    answers = [s.ids[s.prompt_length :].tolist() for s in load_corpus(data)]
-    return NGramModel.build(corpus_sequences(tokenizer) + answers * 2, order=3, vocab_size=vocab_size,
-                            eos_token_id=tokenizer.eos_token_id, min_count=args.ngram_min_count)
+    return build_ngram(tokenizer, vocab_size, min_count=args.ngram_min_count, corpora=[data])
 
 
 def _curve_evaluator(target, tokenizer, ngram: NGramModel, args: argparse.Namespace):
