@@ -36,8 +36,7 @@ def main() -> None:
     for p in points:
         ax.annotate(p["head"], (p["distinct_tokens"] / 1e3, p["humaneval"]), textcoords="offset points",
                     xytext=(4, -12), fontsize=7)
-    ax.set(xlabel="distinct response tokens trained on (thousands)", ylabel="mean accepted length",
-           )
+    ax.set(xlabel="distinct response tokens trained on (thousands)", ylabel="mean accepted length")
     ax.set_title(record.get("title", "held-out accepted length against training data"), fontsize=9)
     ax.margins(x=0.2)
     ax.legend(fontsize=8)

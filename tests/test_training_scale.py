@@ -268,7 +268,8 @@ def test_code_prompts_are_the_training_chats_with_fenced_code(tmp_path):
     assert sharegpt_code_prompts(7, path=path) == expected[:7]
     heldout = {t[0]["content"] for t in load_sharegpt("heldout", path=path)}
     assert not set(sharegpt_code_prompts(None, path=path)) & heldout
-    chat = [t[0]["content"] for t in train if t[0]["content"] not in set(expected)]
+    code = set(expected)
+    chat = [t[0]["content"] for t in train if t[0]["content"] not in code]
     assert sharegpt_chat_prompts(None, path=path) == chat  # the two sources partition the training split
     assert sharegpt_chat_prompts(5, path=path) == chat[:5]
 
