@@ -104,13 +104,16 @@ def _train(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--out", required=True, help="head folder (checkpoints and features go inside)")
     p.add_argument("--features", default=None, help="feature shard folder (default: <out>/features)")
-    p.add_argument("--corpus", default=None,
-                   help="train on this token corpus (`dart-hf regenerate`) with online target features instead of "
-                   "regenerating into feature shards (--num-prompts is then unused)")
+    p.add_argument("--corpus", nargs="+", default=None, metavar="DIR",
+                   help="train on these token corpora (`dart-hf regenerate`, one target's) with online target features "
+                   "instead of regenerating into feature shards (--num-prompts is then unused)")
     p.add_argument("--loss", choices=("kl", "ce"), default=None,
                    help="KL to the target distribution (default with --corpus) or CE on its argmax (feature shards)")
     p.add_argument("--init", default=None,
                    help="start from this head folder's weights and draft vocabulary (fine-tune on new data)")
+    p.add_argument("--widen-draft-vocab", type=int, default=None, metavar="N",
+                   help="with --init: first grow its draft vocabulary to N tokens with the corpora's most frequent "
+                   "response tokens it lacks (a head never drafts a token outside it)")
     p.add_argument("--train-batch-size", type=int, default=4, help="sequences per forward and process")
     p.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
     p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")

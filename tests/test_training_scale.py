@@ -329,3 +329,87 @@ def test_length_grouped_batches_pad_less_and_still_cover_every_sequence_each_epo
         padded[grouped] = sum(4 * max(lengths[i] for i in order[b : b + 4]) for b in range(0, 800, 4))
     assert padded[True] < 0.8 * padded[False]
     assert padded[True] < 1.05 * 2 * sum(lengths)
+
+
+def test_several_corpora_train_as_one_and_corpora_of_another_tokenizer_are_refused(tmp_path):
+    from dart_hf.training.train import load_training_data
+
+    _varied_corpus(tmp_path / "a", n=5)
+    _varied_corpus(tmp_path / "b", n=7)
+    joined = load_training_data([tmp_path / "a", tmp_path / "b"])
+    expected = load_corpus(tmp_path / "a") + load_corpus(tmp_path / "b")
+    assert [s.ids.tolist() for s in joined] == [s.ids.tolist() for s in expected]
+    other = Corpus(tmp_path / "other", vocab_size=500, eos_ids=[1])
+    other.append([{"prompt": [300, 301], "response": [302, 303, 304]}])
+    with pytest.raises(ValueError, match="different tokenizers"):
+        load_training_data([tmp_path / "a", tmp_path / "other"])
+    with pytest.raises(FileNotFoundError, match="neither a token corpus"):
+        load_training_data([tmp_path / "a", tmp_path / "missing"])
+    target = make_target("llama", vocab_size=112, eos_token_id=1, pad_token_id=0)
+    cfg = TrainConfig(draft_length=2, draft_vocab_size=None, epochs=1, batch_size=4, anchors_per_sequence=2)
+    with pytest.raises(ValueError, match="outside this target's vocabulary"):
+        train_head(target, tmp_path / "other", tmp_path / "head", cfg, eos_ids=[1], device="cpu")
+
+
+def test_widening_the_draft_vocab_keeps_trained_rows_and_maps_new_ones_into_the_heads_space(tmp_path):
+    from dart_hf.core.modeling import DartHead
+    from dart_hf.training.corpus import Sequence
+    from dart_hf.training.train import widen_draft_vocab
+
+    target = make_target("llama", vocab_size=200, eos_token_id=1, pad_token_id=0)
+    old = list(range(10, 90))  # 80 rows for a hidden size of 64: the map from target rows to head rows is determined
+    response = [150] * 40 + [151] * 30 + [152] * 20 + [153] * 10 + old
+    data = [Sequence(torch.tensor([195, 196] + response), 2)]  # prompt tokens 195, 196 must not count
+    head = new_head(target, [Sequence(torch.tensor([5] + old), 1)],
+                    TrainConfig(draft_length=2, draft_vocab_size=80), eos_ids=[]).eval()
+    to_head_space = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) / 8
+    with torch.no_grad():  # "trained": the warm start's target rows moved by a linear map
+        head.lm_head.weight.copy_(head.lm_head.weight @ to_head_space)
+    wide = widen_draft_vocab(head, target, data, 83)
+    assert wide.config.draft_vocab_size == 83
+    assert wide.draft_to_target.tolist() == old + [150, 151, 152]
+    target_rows = target.get_output_embeddings().weight.detach()
+    assert torch.equal(wide.lm_head.weight[:80], head.lm_head.weight)
+    assert torch.allclose(wide.lm_head.weight[80:], target_rows[[150, 151, 152]] @ to_head_space, atol=1e-4)
+    old_state = head.state_dict()
+    for k, v in wide.state_dict().items():
+        if k not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(v, old_state[k]), k
+    assert wide.t2d.sum() == 83 and wide.t2d[[150, 151, 152]].all() and not wide.t2d[[153, 195, 196]].any()
+    assert widen_draft_vocab(head, target, data, 400).config.draft_vocab_size == 84  # only 4 unseen tokens exist
+    with pytest.raises(ValueError, match="can be widened, not cut"):
+        widen_draft_vocab(head, target, data, 50)
+    wide.save_pretrained(tmp_path / "wide")
+    assert DartHead.from_pretrained(tmp_path / "wide").draft_to_target.tolist() == wide.draft_to_target.tolist()
+
+
+def test_fine_tuning_with_a_widened_draft_vocab_trains_the_new_rows(tmp_path):
+    _varied_corpus(tmp_path / "corpus")
+    target = make_target("llama", vocab_size=112, eos_token_id=1, pad_token_id=0)
+    base = TrainConfig(draft_length=2, draft_vocab_size=20, loss="kl", epochs=1, lr=1e-2, warmup_steps=1,
+                       batch_size=4, anchors_per_sequence=4, log_every=1, save_every=1000)
+    train_head(target, tmp_path / "corpus", tmp_path / "small", base, eos_ids=[1], device="cpu")
+    with pytest.raises(ValueError, match="set init_from"):
+        train_head(target, tmp_path / "corpus", tmp_path / "x",
+                   TrainConfig(**{**base.__dict__, "widen_draft_vocab": 40}), eos_ids=[1], device="cpu")
+    cfg = TrainConfig(**{**base.__dict__, "init_from": str(tmp_path / "small"), "widen_draft_vocab": 40})
+    wide = train_head(target, [tmp_path / "corpus"], tmp_path / "wide", cfg, eos_ids=[1], device="cpu")
+    from dart_hf.core.modeling import DartHead
+    from dart_hf.training.train import load_training_data, widen_draft_vocab
+
+    start = widen_draft_vocab(DartHead.from_pretrained(tmp_path / "small").float(), target,
+                              load_training_data(tmp_path / "corpus"), 40)
+    assert wide.config.draft_vocab_size == 40
+    assert wide.draft_to_target.tolist() == start.draft_to_target.tolist()
+    new_rows = ~DartHead.from_pretrained(tmp_path / "small").t2d[wide.draft_to_target]
+    assert (wide.lm_head.weight[new_rows] - start.lm_head.weight[new_rows]).abs().amax(dim=1).min() > 0  # all trained
+    assert DartHead.from_pretrained(tmp_path / "wide").config.draft_vocab_size == 40
+
+
+def test_cli_refuses_to_widen_without_a_head_to_widen(tmp_path, capsys):
+    from dart_hf_cli import main as cli
+
+    assert cli(["train", "--out", str(tmp_path / "x"), "--corpus", str(tmp_path), "--widen-draft-vocab", "100"]) == 2
+    assert "pass --init" in capsys.readouterr().err
+    args = __import__("dart_hf_cli").build_parser().parse_args(["train", "--out", "x", "--corpus", "a", "b"])
+    assert args.corpus == ["a", "b"]

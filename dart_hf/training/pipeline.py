@@ -33,6 +33,10 @@ from .train import TrainConfig, train_head
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.widen_draft_vocab is not None and not args.init:
+        print("dart-hf train: error: --widen-draft-vocab grows the vocabulary of the --init head: pass --init",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     features = Path(args.features or out / "features")
     try:
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     processes = PartialState()  # several under `accelerate launch`: one trains each share, the main one does the rest
     if args.corpus:
-        features = Path(args.corpus)  # a token corpus: features online
+        features = [Path(c) for c in args.corpus]  # token corpora: features online
     elif processes.num_processes > 1:
         print("dart-hf train: error: data-parallel training reads a token corpus: pass --corpus (dart-hf regenerate)",
               file=sys.stderr)
@@ -62,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.train_batch_size,
         grad_accum=args.grad_accum,
         init_from=args.init,
+        widen_draft_vocab=args.widen_draft_vocab,
         save_every=args.save_every,
         cache_features=args.cache_features,
         group_by_length=args.group_by_length,
@@ -92,12 +97,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ngram(tokenizer, vocab_size: int, args: argparse.Namespace, data: Path) -> NGramModel:
+def _ngram(tokenizer, vocab_size: int, args: argparse.Namespace, data: Path | list[Path]) -> NGramModel:
     """The head's n-gram table: ShareGPT text plus the regenerated answers (shards or token corpus), the
     latter twice, as `build_ngram` weighs them."""
     if not args.corpus:
         return build_ngram(tokenizer, vocab_size, data, min_count=args.ngram_min_count)
-    return build_ngram(tokenizer, vocab_size, min_count=args.ngram_min_count, corpora=[data])
+    return build_ngram(tokenizer, vocab_size, min_count=args.ngram_min_count, corpora=data)
 
 
 def _curve_evaluator(target, tokenizer, ngram: NGramModel, args: argparse.Namespace):
