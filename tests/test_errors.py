@@ -19,6 +19,7 @@ from transformers import (
 
 import dart_hf
 from conftest import TINY, make_head, make_target, prompts
+from dart_hf_cli import build_parser
 from dart_hf.tools import bench, demo
 from dart_hf.training import pipeline
 
@@ -325,8 +326,8 @@ def _demo_args(**kw):
         (lambda: demo.run(_demo_args(target="no-such-target")), "'no-such-target' is neither a known target"),
         (lambda: demo.run(_demo_args(target="/")), "/ is not a model folder: it has no config.json"),
         (lambda: bench.main(argparse.Namespace(synthetic=False, n=0)), "--n must be at least 1"),
-        (lambda: pipeline.run(argparse.Namespace(target="no-such-target", out="unused", features=None,
-                                                 dtype="float32", device="cpu")), "dart-hf train: error: "),
+        (lambda: pipeline.run(build_parser().parse_args(["train", "--target", "no-such-target", "--out", "unused",
+                                                         "--dtype", "float32"])), "dart-hf train: error: "),
     ],
     ids=["demo_head", "demo_target", "demo_not_a_model", "bench_n0", "train_target"],
 )

@@ -367,10 +367,10 @@ def test_readme_custom_generate_snippet_with_the_shipped_head(tmp_path):
     assert result["same"] and result["new"] > 0 and result["dart_hf"] == "None", result
 
 
-@pytest.mark.parametrize("card, max_mib", [("smollm2-135m-instruct-dart", 40), ("qwen2.5-coder-0.5b-instruct-dart", 64)])
+@pytest.mark.parametrize("card, max_mib", [("smollm2-135m-instruct-dart", 48), ("qwen2.5-coder-0.5b-instruct-dart", 64)])
 def test_shipped_card_folder_is_hub_ready_and_small(card, max_mib):
     """Every file a Hub repo needs, and a size that stays below what the folder may grow to (the SmolLM2 one ships in
-    the wheel)."""
+    the wheel: 41.8 MiB since its draft vocabulary grew to 16,308 rows; 48 leaves room for the card's plots)."""
     files = {p.name for p in (CARDS / card).iterdir()}
     assert {"README.md", "config.json", "model.safetensors", "ngram.safetensors", "custom_generate"} <= files
     size = sum(p.stat().st_size for p in (CARDS / card).rglob("*") if p.is_file())
