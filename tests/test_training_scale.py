@@ -21,11 +21,14 @@ from dart_hf.core.tree import TreeSearchParams
 from dart_hf.tools.evaluation import acceptance_report
 from dart_hf.tools.offline_acceptance import draft_rows, mean_accepted_length, reference_texts
 from dart_hf.training import corpus as corpus_module
-from dart_hf.training.corpus import CORPUS_FILE, Corpus, import_responses, load_corpus, regenerate
+from dart_hf.core.modeling import DartHead
+from dart_hf.training.corpus import CORPUS_FILE, Corpus, Sequence, import_responses, load_corpus, regenerate
 from dart_hf.tools.assets import load_sharegpt
 from dart_hf.training.data import prompt_token_ids, sharegpt_chat_prompts, sharegpt_code_prompts
-from dart_hf.training.train import (TeacherTargets, TrainConfig, batch_loss, kl_terms, new_head, target_over_draft,
-                                   teacher_targets, train_head)
+from dart_hf.training.train import (TeacherTargets, TrainConfig, batch_loss, kl_terms, load_training_data, new_head,
+                                   target_over_draft, teacher_targets, train_head, widen_draft_vocab)
+from dart_hf_cli import build_parser
+from dart_hf_cli import main as cli
 
 TESTS = Path(__file__).resolve().parent
 
@@ -332,8 +335,6 @@ def test_length_grouped_batches_pad_less_and_still_cover_every_sequence_each_epo
 
 
 def test_several_corpora_train_as_one_and_corpora_of_another_tokenizer_are_refused(tmp_path):
-    from dart_hf.training.train import load_training_data
-
     _varied_corpus(tmp_path / "a", n=5)
     _varied_corpus(tmp_path / "b", n=7)
     joined = load_training_data([tmp_path / "a", tmp_path / "b"])
@@ -352,10 +353,6 @@ def test_several_corpora_train_as_one_and_corpora_of_another_tokenizer_are_refus
 
 
 def test_widening_the_draft_vocab_keeps_trained_rows_and_maps_new_ones_into_the_heads_space(tmp_path):
-    from dart_hf.core.modeling import DartHead
-    from dart_hf.training.corpus import Sequence
-    from dart_hf.training.train import widen_draft_vocab
-
     target = make_target("llama", vocab_size=200, eos_token_id=1, pad_token_id=0)
     old = list(range(10, 90))  # 80 rows for a hidden size of 64: the map from target rows to head rows is determined
     response = [150] * 40 + [151] * 30 + [152] * 20 + [153] * 10 + old
@@ -394,22 +391,18 @@ def test_fine_tuning_with_a_widened_draft_vocab_trains_the_new_rows(tmp_path):
                    TrainConfig(**{**base.__dict__, "widen_draft_vocab": 40}), eos_ids=[1], device="cpu")
     cfg = TrainConfig(**{**base.__dict__, "init_from": str(tmp_path / "small"), "widen_draft_vocab": 40})
     wide = train_head(target, [tmp_path / "corpus"], tmp_path / "wide", cfg, eos_ids=[1], device="cpu")
-    from dart_hf.core.modeling import DartHead
-    from dart_hf.training.train import load_training_data, widen_draft_vocab
 
-    start = widen_draft_vocab(DartHead.from_pretrained(tmp_path / "small").float(), target,
-                              load_training_data(tmp_path / "corpus"), 40)
+    small = DartHead.from_pretrained(tmp_path / "small").float()
+    start = widen_draft_vocab(small, target, load_training_data(tmp_path / "corpus"), 40)
     assert wide.config.draft_vocab_size == 40
     assert wide.draft_to_target.tolist() == start.draft_to_target.tolist()
-    new_rows = ~DartHead.from_pretrained(tmp_path / "small").t2d[wide.draft_to_target]
+    new_rows = ~small.t2d[wide.draft_to_target]
     assert (wide.lm_head.weight[new_rows] - start.lm_head.weight[new_rows]).abs().amax(dim=1).min() > 0  # all trained
     assert DartHead.from_pretrained(tmp_path / "wide").config.draft_vocab_size == 40
 
 
 def test_cli_refuses_to_widen_without_a_head_to_widen(tmp_path, capsys):
-    from dart_hf_cli import main as cli
-
     assert cli(["train", "--out", str(tmp_path / "x"), "--corpus", str(tmp_path), "--widen-draft-vocab", "100"]) == 2
     assert "pass --init" in capsys.readouterr().err
-    args = __import__("dart_hf_cli").build_parser().parse_args(["train", "--out", "x", "--corpus", "a", "b"])
+    args = build_parser().parse_args(["train", "--out", "x", "--corpus", "a", "b"])
     assert args.corpus == ["a", "b"]

@@ -33,9 +33,24 @@ from .train import TrainConfig, train_head
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.widen_draft_vocab is not None and not args.init:
-        print("dart-hf train: error: --widen-draft-vocab grows the vocabulary of the --init head: pass --init",
-              file=sys.stderr)
+    try:
+        cfg = TrainConfig(
+            draft_length=args.draft_length,
+            draft_vocab_size=args.draft_vocab_size or None,
+            epochs=args.epochs,
+            lr=args.lr,
+            anchors_per_sequence=args.anchors,
+            loss=args.loss or ("kl" if args.corpus else "ce"),
+            batch_size=args.train_batch_size,
+            grad_accum=args.grad_accum,
+            init_from=args.init,
+            widen_draft_vocab=args.widen_draft_vocab,
+            save_every=args.save_every,
+            cache_features=args.cache_features,
+            group_by_length=args.group_by_length,
+        )
+    except ValueError as err:  # settings that contradict each other: said before the target loads
+        print(f"dart-hf train: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     features = Path(args.features or out / "features")
@@ -56,21 +71,6 @@ def run(args: argparse.Namespace) -> int:
         collect_features(target, tokenizer, prompts, features, args.max_new_tokens, args.batch_size)
     eos = target.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    cfg = TrainConfig(
-        draft_length=args.draft_length,
-        draft_vocab_size=args.draft_vocab_size or None,
-        epochs=args.epochs,
-        lr=args.lr,
-        anchors_per_sequence=args.anchors,
-        loss=args.loss or ("kl" if args.corpus else "ce"),
-        batch_size=args.train_batch_size,
-        grad_accum=args.grad_accum,
-        init_from=args.init,
-        widen_draft_vocab=args.widen_draft_vocab,
-        save_every=args.save_every,
-        cache_features=args.cache_features,
-        group_by_length=args.group_by_length,
-    )
     if not (out / NGRAM_FILE).exists() and processes.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _ngram(tokenizer, target.config.vocab_size, args, features).save(out / NGRAM_FILE)

@@ -99,6 +99,11 @@ class TrainConfig:
     log_every: int = 20
     save_every: int = 200
 
+    def __post_init__(self) -> None:
+        if self.widen_draft_vocab is not None and self.init_from is None:
+            raise ValueError("widen_draft_vocab grows the draft vocabulary of the init_from head: set init_from "
+                             "(pass --init)")
+
 
 def load_training_data(folders: str | Path | SequenceOf[str | Path]) -> list[Sequence | Example]:
     """Token corpora (`corpus.jsonl`: features computed online), joined in the order given, or one folder of
@@ -414,12 +419,10 @@ def train_head(
                          "loss='ce', or a token corpus (`dart-hf regenerate`) for loss='kl'")
     if cfg.cache_features and stored:
         raise ValueError(f"{data_dir} holds stored feature shards: cache_features is for token corpora")
-    if cfg.widen_draft_vocab is not None and cfg.init_from is None:
-        raise ValueError("widen_draft_vocab grows the draft vocabulary of the init_from head: set init_from")
-    top_id = max(int(e.ids.max()) for e in data)
-    if top_id >= target.config.get_text_config().vocab_size:
-        raise ValueError(f"{data_dir}: token id {top_id} is outside this target's vocabulary "
-                         f"({target.config.get_text_config().vocab_size}): the data was made with another tokenizer")
+    top_id, vocab_size = max(int(e.ids.max()) for e in data), target.config.get_text_config().vocab_size
+    if top_id >= vocab_size:
+        raise ValueError(f"{data_dir}: token id {top_id} is outside this target's vocabulary ({vocab_size}): the "
+                         "data was made with another tokenizer")
     if ckpt.exists():
         head = DartHead.from_pretrained(ckpt).float()
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
