@@ -4,6 +4,7 @@ in-run), `dart-hf calibrate`, the visible budget state, and lossless auto decodi
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import numpy as np
@@ -120,20 +121,89 @@ def test_chooser_picks_the_best_budget_on_synthetic_curves(name, seconds, expect
     assert (expected <= 31) if expect == "small" else (expected >= 47)
 
 
-def test_controller_explores_then_exploits_and_revisits_twice_its_choice():
-    cost = VerifyCost(sizes=[1, 8, 64], seconds=[0.1, 0.12, 0.3])
-    controller = BudgetController(cost, candidates=[4, 16, 40, 63], explore_steps=3, revisit_every=8)
+def run_controller(controller: BudgetController, cost: VerifyCost, steps: int) -> list[int]:
+    """Budgets chosen over `steps` steps when only the best node is ever accepted."""
     chosen = []
-    for _ in range(40):
+    for _ in range(steps):
         b = controller.next_budget()
         chosen.append(b)
-        controller.observe([0], b, step_seconds=0.01 + float(cost(b + 1)))  # only the best node is ever accepted
+        controller.observe([0], b, step_seconds=0.01 + float(cost(b + 1)))
+    return chosen
+
+
+def test_controller_explores_then_exploits_and_revisits_twice_its_choice():
+    flat = VerifyCost(sizes=[1, 8, 64], seconds=[0.1, 0.1, 0.1])  # GPU-like: a larger tree costs no more
+    controller = BudgetController(flat, candidates=[4, 16, 40, 63], explore_steps=3, revisit_every=8)
+    chosen = run_controller(controller, flat, 60)
     assert chosen[:3] == [63, 63, 63]
     assert controller.best() == 4
     rest = chosen[3:]
-    assert rest.count(4) > 25 and 63 not in rest and 40 not in rest  # revisits 16 = smallest >= 2 * 4 + 1
+    assert rest.count(4) > 40 and 63 not in rest and 40 not in rest  # revisits 16 = smallest >= 2 * 4 + 1
     gaps = np.diff([i for i, b in enumerate(chosen) if b > 4])
     assert gaps.max() <= 8 and 16 in rest
+
+
+def test_revisits_are_paced_by_their_extra_verify_time():
+    """CPU-like: verifying 17 tokens costs 0.0375 s more than 5; at 2% of a 0.121 s step that is one revisit per 16
+    steps instead of every 8."""
+    cost = VerifyCost(sizes=[1, 8, 64], seconds=[0.1, 0.12, 0.3])
+    controller = BudgetController(cost, candidates=[4, 16, 40, 63], explore_steps=3, revisit_every=8)
+    chosen = run_controller(controller, cost, 80)
+    assert controller.best() == 4
+    period = controller.revisit_period(4, 16)
+    extra, step = float(cost(17) - cost(5)), controller.overhead + float(cost(5))
+    assert period == math.ceil(extra / (0.02 * step)) == 16
+    gaps = np.diff([i for i, b in enumerate(chosen) if b == 16])
+    assert len(gaps) >= 3 and set(gaps.tolist()) == {period}
+    unpaced = BudgetController(cost, candidates=[4, 16, 40, 63], explore_steps=3, revisit_every=8, explore_share=0)
+    assert set(np.diff([i for i, b in enumerate(run_controller(unpaced, cost, 80)) if b == 16]).tolist()) == {8}
+
+
+def test_overhead_is_counted_per_budget():
+    """A deeper tree costs more head and search time. E[accepted | 3] = 2.5, E[accepted | 7] = 3.5; with one shared
+    overhead (~13 ms) budget 7 looks faster (4.5 / 75 ms > 3.5 / 63 ms), with each budget's own overhead (10 and
+    16 ms) budget 3 is (3.5 / 60 ms > 4.5 / 78 ms)."""
+    cost = VerifyCost(sizes=[1, 4, 8], seconds=[0.05, 0.05, 0.062])
+    controller = BudgetController(cost, candidates=[3, 7], explore_steps=0, half_life=1e12)
+    overhead = {3: 0.010, 7: 0.016}
+    for i in range(40):
+        b = 3 if i % 2 else 7
+        ranks = [0, 1] if i % 4 < 2 else [0, 1, 2, 3, 4]
+        controller.observe([r for r in ranks if r < b], b, step_seconds=overhead[b] + float(cost(b + 1)),
+                           verify_seconds=float(cost(b + 1)))
+    assert np.allclose(controller.expected_accepted(), [2.5, 3.5])
+    assert np.allclose(controller.overhead_seconds(), [0.010, 0.016])
+    assert controller.best() == 3
+    shared = (1 + controller.expected_accepted()) / (controller.overhead + controller.verify_seconds())
+    assert controller.candidates[int(np.argmax(shared))] == 7
+
+
+def test_the_choice_sticks_while_the_best_is_within_the_switch_margin():
+    cost = VerifyCost(sizes=[1, 8], seconds=[0.1, 0.1])
+    controller = BudgetController(cost, candidates=[3, 7], explore_steps=0, revisit_every=10**6, half_life=1e12)
+    controller.observe([0], 7, step_seconds=0.11)
+    assert controller.next_budget() == 3  # equal estimates: the first candidate
+    controller.observe([0, 3], 7, step_seconds=0.11)  # rank 3: budget 7 now accepts more, by 1 / 2 of a step
+    assert controller.best() == 7 and controller.next_budget() == 7  # (1 + 1.5) / (1 + 1) = 1.25x: switches
+    controller.current = 3
+    controller.switch_margin = 0.3
+    assert controller.next_budget() == 3  # 1.25x is within a 30% margin: stays
+
+
+def test_a_stale_curve_sends_steps_only_to_untried_budgets_near_the_choice():
+    """Each untried budget up to twice the choice's verify size is tried once; the far, dear ones (a 64-node verify
+    costs several small steps on a CPU) are not."""
+    cost = VerifyCost(sizes=[1, 2, 4, 8, 16, 32, 64], seconds=[0.05, 0.05, 0.05, 0.07, 0.1, 0.16, 0.3])
+    controller = BudgetController(cost, explore_steps=1, revisit_every=10**6)
+    assert controller.candidates.tolist() == [1, 3, 7, 15, 31, 63]
+    chosen = []
+    for _ in range(30):
+        b = controller.next_budget()
+        chosen.append(b)
+        controller.stale = controller.stale or {"reason": "test"}  # as _check_curve sets it
+        controller.observe([0], b, step_seconds=0.01 + float(cost(b + 1)), verify_seconds=float(cost(b + 1)))
+    assert chosen[0] == 63 and controller.best() == 1
+    assert set(chosen[1:]) == {1, 3}  # 3 = the only untried budget within twice the verify size of 1's (2 tokens)
 
 
 def test_statistics_from_mixed_budgets_stay_monotone():

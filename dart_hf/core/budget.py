@@ -21,17 +21,24 @@ Five parts:
    #{i : r_i < B'} draft tokens (exact for greedy; an estimate under sampling, where removing siblings changes
    the order in which children are tried). One verified tree thus gives the accepted length of every B' <= B.
 4. `BudgetController`: running (exponentially discounted) E[accepted | B'] for every B', the per-step overhead
-   (head + tree + bookkeeping), and the choice argmax_B (1 + E[accepted | B]) / (overhead + t_verify(B + 1)).
-   It starts at the largest candidate for a few steps (one such tree informs every smaller budget), then every
-   `revisit_every` steps verifies a tree about twice the current choice, so the statistics just above the choice
-   stay fresh without paying for the largest tree again. Where the loop can time the verify exactly (CPU, or
-   synchronised CUDA), every step also checks the cached curve: t_verify is taken from the verify times of this
-   run (median per budget, and the median ratio observed / cached for budgets not yet run), and when that ratio
-   stays outside [1 / STALE_FACTOR, STALE_FACTOR] over a window of steps the curve is stale: the run tries each
-   budget it has no verify time for once, and the cache file is marked stale, so the next `verify_cost` measures
-   again instead of starting from the bad curve. A re-measurement that agrees with
-   the curve it replaces is marked `confirmed`: the disagreement came from the workload (a long context makes
-   every verify dearer), not from the measurement, and runs then correct themselves without re-marking it.
+   (head + tree + bookkeeping, per budget: a larger budget drafts deeper and searches more depths), and the choice
+   argmax_B (1 + E[accepted | B]) / (overhead(B) + t_verify(B + 1)), kept while another budget beats it by at most
+   `switch_margin` (3%): near the optimum the estimates differ by less than their noise. It starts at the largest
+   candidate for a few steps (one such tree informs every smaller budget), then now and then verifies a tree about
+   twice the current choice, so the statistics just above the choice stay fresh without paying for the largest
+   tree again. Such a revisit is paced by what it costs: at most every `revisit_every` steps, and no more often
+   than keeps its extra time under `explore_share` (2%) of the decoding time. On a GPU a twice-as-large tree costs
+   about the same, so it revisits every 16 steps; on a 2-core CPU, where verifying 8 tokens costs ~1.5x verifying
+   4, about every 30. (Measured on SmolLM2 on the CPU: with one shared overhead, no margin and unpaced revisits the
+   cost-aware budget ran 7-19% slower than the fixed 3-node tree it mostly chose; BENCHMARKS.md.)
+   Where the loop can time the verify exactly (CPU, or synchronised CUDA), every step also checks the cached curve:
+   t_verify is taken from the verify times of this run (median per budget, and the median ratio observed / cached
+   for budgets not yet run), and when that ratio stays outside [1 / STALE_FACTOR, STALE_FACTOR] over a window of
+   steps the curve is stale: the run tries once each budget near its choice (up to twice its verify size) that it
+   has no verify time for, and the cache file is marked stale, so the next `verify_cost` measures again instead of
+   starting from the bad curve. A re-measurement that agrees with the curve it replaces is marked `confirmed`: the
+   disagreement came from the workload (a long context makes every verify dearer), not from the measurement, and
+   runs then correct themselves without re-marking it.
 5. `BudgetState`: what persists across `generate` calls, one controller per (target configuration, prompt lookup
    on/off). Each head carries one as `head.budget_state` (`budget_state(head)`), which `.reset()` empties;
    `budget_controller(..., state=...)` takes another. Statistics persist because a fresh controller pays its
@@ -431,8 +438,9 @@ class BudgetController:
     times at that budget once there are `min_observed` of them, else the cached curve times `scale`, the median
     ratio (observed / curve) over the last STALE_WINDOW steps. Medians, not means: one step that shares the CPU
     with something else must not move the choice. Without exact verify times the curve is used as measured.
-    overhead: moving average of (step wall time - verify time): head, tree search and bookkeeping, measured from
-    whole steps, which stay exact on a GPU without per-phase syncs (each step ends with a host sync).
+    overhead: step wall time - verify time (head, tree search and bookkeeping), measured from whole steps, which stay
+    exact on a GPU without per-phase syncs (each step ends with a host sync): per budget the median of this run's
+    recent steps at it once there are `min_observed`, else the moving average over all steps.
     """
 
     def __init__(
@@ -441,6 +449,8 @@ class BudgetController:
         candidates: Sequence[int] | None = None,
         explore_steps: int = 4,
         revisit_every: int = 16,
+        explore_share: float = 0.02,
+        switch_margin: float = 0.03,
         half_life: float = 256.0,
         ema: float = 0.1,
         min_observed: int = 3,
@@ -452,6 +462,8 @@ class BudgetController:
         self.max_budget = int(self.candidates[-1])
         self.explore_steps = explore_steps
         self.revisit_every = revisit_every
+        self.explore_share = explore_share
+        self.switch_margin = switch_margin
         self.decay = 0.5 ** (1.0 / half_life)
         self.ema = ema
         self.min_observed = min_observed
@@ -462,6 +474,8 @@ class BudgetController:
         self.observed: dict[int, deque[float]] = {}  # budget -> recent exact verify seconds
         self.stale: dict | None = None  # why this run found the cached curve wrong (None: it agrees)
         self.overhead: float | None = None
+        self.residuals: dict[int, deque[float]] = {}  # budget -> recent (step - verify) seconds
+        self.current: int | None = None  # the budget next_budget last chose outside exploration
         self.steps = 0
         self.max_steps = 0  # steps run at the largest candidate (they inform every candidate)
         self.since_explore = 0
@@ -495,6 +509,7 @@ class BudgetController:
         if step_seconds is not None:
             verify = verify_seconds if verify_seconds is not None else curve
             resid = max(step_seconds - verify, 0.0)
+            self.residuals.setdefault(budget, deque(maxlen=2 * self.min_observed + 1)).append(resid)
             self.overhead = resid if self.overhead is None else self.overhead + self.ema * (resid - self.overhead)
 
     def observe_tree(self, tree: DraftTree, path: torch.Tensor, budget: int, step_seconds=None, verify_seconds=None):
@@ -538,9 +553,21 @@ class BudgetController:
         expected = np.cumsum(rate)[self.candidates]
         return np.where(self.obs[self.candidates] > 0, expected, np.nan)
 
+    def overhead_seconds(self) -> np.ndarray:
+        """Expected head + tree search + bookkeeping seconds per candidate: this run's median at that budget once
+        observed `min_observed` times, else the moving average over all steps. Per budget because a larger budget
+        drafts deeper and searches more depths (on a 2-core CPU ~12 ms at 3-4 nodes, ~22 ms at 60): one shared figure
+        made large trees look cheaper than they are."""
+        out = np.full(self.candidates.shape, self.overhead or 0.0)
+        for i, b in enumerate(self.candidates.tolist()):
+            seen = self.residuals.get(b)
+            if seen is not None and len(seen) >= self.min_observed:
+                out[i] = statistics.median(seen)
+        return out
+
     def tokens_per_second(self) -> np.ndarray:
         """Expected tokens per second per candidate (nan where never observed)."""
-        step = (self.overhead or 0.0) + self.verify_seconds()
+        step = self.overhead_seconds() + self.verify_seconds()
         return (1.0 + self.expected_accepted()) / step
 
     def best(self) -> int:
@@ -551,25 +578,53 @@ class BudgetController:
         return int(self.candidates[int(np.nanargmax(tps))])
 
     def next_budget(self) -> int:
-        """Budget for the next step: the largest candidate for the first `explore_steps` steps, then the best one,
-        and every `revisit_every`-th step the smallest candidate >= 2 * best + 1 (see module docstring).
+        """Budget for the next step: the largest candidate for the first `explore_steps` steps, then the chosen one
+        (`_choice`: the best, unless within `switch_margin` of the current choice), and now and then
+        (`revisit_period`) the smallest candidate >= 2 * best + 1 (see module docstring).
 
-        Once the curve is stale, every other step tries a candidate this run has no verify time for yet (nearest
-        the best first): the scaled curve keeps the wrong curve's shape, and a size it prices too high would
-        otherwise never be run, so never corrected. At most one step per candidate."""
+        Once the curve is stale, every other step tries a candidate near the best (at most twice its verify size)
+        that this run has no verify time for yet, nearest first: the scaled curve keeps the wrong curve's shape, and
+        a size it prices too high would otherwise never be run, so never corrected. At most one step per candidate;
+        farther candidates are reached as the best moves (on a CPU one 96-node verify costs 5-6 small steps)."""
         if self.max_steps < self.explore_steps:
             return self.max_budget
-        best = self.best()
+        best = self._choice()
         if self.stale is not None and self.steps % 2 == 0:
-            untried = [b for b in self.candidates.tolist() if b not in self.observed]
+            untried = [b for b in self.candidates.tolist() if b not in self.observed and b + 1 <= 2 * (best + 1)]
             if untried:
                 return min(untried, key=lambda b: (abs(math.log((b + 1) / (best + 1))), b))
         self.since_explore += 1
-        if self.since_explore < self.revisit_every:
+        above = self.candidates[self.candidates >= 2 * best + 1]
+        revisit = int(above[0]) if above.size else self.max_budget
+        if revisit == best or self.since_explore < self.revisit_period(best, revisit):
             return best
         self.since_explore = 0
-        above = self.candidates[self.candidates >= 2 * best + 1]
-        return int(above[0]) if above.size else self.max_budget
+        return revisit
+
+    def _choice(self) -> int:
+        """The best candidate, except that the current choice stays while the best beats it by at most
+        `switch_margin` (relative tokens/s): near the optimum the estimates differ by less than their noise, and
+        following the noise sent steps to dearer trees that won nothing."""
+        best, current = self.best(), self.current
+        if current is not None and current != best:
+            tps = self.tokens_per_second()
+            at = {int(b): i for i, b in enumerate(self.candidates)}
+            now = tps[at[current]]
+            if np.isfinite(now) and tps[at[best]] <= (1 + self.switch_margin) * now:
+                best = current
+        self.current = best
+        return best
+
+    def revisit_period(self, best: int, revisit: int) -> int:
+        """Steps between revisits: `revisit_every`, or more where verifying `revisit` instead of `best` costs more
+        than `explore_share` of `revisit_every` steps at `best` (spread over enough steps to stay within it)."""
+        verify, overhead = self.verify_seconds(), self.overhead_seconds()
+        at = {int(b): i for i, b in enumerate(self.candidates)}
+        extra = max(float(verify[at[revisit]] + overhead[at[revisit]] - verify[at[best]] - overhead[at[best]]), 0.0)
+        step = float(overhead[at[best]] + verify[at[best]])
+        if step <= 0 or self.explore_share <= 0:
+            return self.revisit_every
+        return max(self.revisit_every, math.ceil(extra / (self.explore_share * step)))
 
     def summary(self) -> dict:
         return {
@@ -581,6 +636,7 @@ class BudgetController:
             "curve_file": self.cost.path,
             "curve_stale": self.stale,
             "overhead_seconds": self.overhead,
+            "overhead_by_budget": [round(float(x), 6) for x in self.overhead_seconds()],
             "verify_scale": self.scale,
             "best": self.best(),
             "steps": self.steps,
