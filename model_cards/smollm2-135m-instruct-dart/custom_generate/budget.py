@@ -460,6 +460,7 @@ class BudgetController:
         if self.candidates.size == 0 or self.candidates[0] < 1:
             raise ValueError("budget candidates must be >= 1")
         self.max_budget = int(self.candidates[-1])
+        self._index = {int(b): i for i, b in enumerate(self.candidates)}  # budget -> position in candidates
         self.explore_steps = explore_steps
         self.revisit_every = revisit_every
         self.explore_share = explore_share
@@ -572,7 +573,9 @@ class BudgetController:
 
     def best(self) -> int:
         """The candidate with the highest expected tokens/s (the largest candidate before any observation)."""
-        tps = self.tokens_per_second()
+        return self._best_of(self.tokens_per_second())
+
+    def _best_of(self, tps: np.ndarray) -> int:
         if np.all(np.isnan(tps)):
             return self.max_budget
         return int(self.candidates[int(np.nanargmax(tps))])
@@ -605,12 +608,11 @@ class BudgetController:
         """The best candidate, except that the current choice stays while the best beats it by at most
         `switch_margin` (relative tokens/s): near the optimum the estimates differ by less than their noise, and
         following the noise sent steps to dearer trees that won nothing."""
-        best, current = self.best(), self.current
+        tps = self.tokens_per_second()
+        best, current = self._best_of(tps), self.current
         if current is not None and current != best:
-            tps = self.tokens_per_second()
-            at = {int(b): i for i, b in enumerate(self.candidates)}
-            now = tps[at[current]]
-            if np.isfinite(now) and tps[at[best]] <= (1 + self.switch_margin) * now:
+            now = tps[self._index[current]]
+            if np.isfinite(now) and tps[self._index[best]] <= (1 + self.switch_margin) * now:
                 best = current
         self.current = best
         return best
@@ -618,10 +620,9 @@ class BudgetController:
     def revisit_period(self, best: int, revisit: int) -> int:
         """Steps between revisits: `revisit_every`, or more where verifying `revisit` instead of `best` costs more
         than `explore_share` of `revisit_every` steps at `best` (spread over enough steps to stay within it)."""
-        verify, overhead = self.verify_seconds(), self.overhead_seconds()
-        at = {int(b): i for i, b in enumerate(self.candidates)}
-        extra = max(float(verify[at[revisit]] + overhead[at[revisit]] - verify[at[best]] - overhead[at[best]]), 0.0)
-        step = float(overhead[at[best]] + verify[at[best]])
+        step_seconds = self.verify_seconds() + self.overhead_seconds()
+        step = float(step_seconds[self._index[best]])
+        extra = max(float(step_seconds[self._index[revisit]]) - step, 0.0)
         if step <= 0 or self.explore_share <= 0:
             return self.revisit_every
         return max(self.revisit_every, math.ceil(extra / (self.explore_share * step)))
