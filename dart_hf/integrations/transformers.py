@@ -30,7 +30,7 @@ from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..core.drafter import DartDrafter, default_node_budget
+from ..core.drafter import DartDrafter, default_node_budget, draft_depth
 from ..core.loop import dart_decode
 from ..core.modeling import DartHead
 from ..core.runtime import DartRuntime, dart_runtime
@@ -72,6 +72,11 @@ class DartCandidateGenerator(CandidateGenerator):
         self.timer = PhaseTimer(call.stats.time, head.device)
         self.seen = 0  # positions whose target states the drafter has received
         self._proposed_at = 0.0
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one call proposes (transformers >= 5.25 sizes the cache's rollback history by it)."""
+        return draft_depth(self.drafter.params, self.max_length, self.drafter.head.config.num_predictions)
 
     def get_candidates(self, input_ids: torch.LongTensor, is_first_iteration: bool = False, **kwargs):
         max_new = self.max_length - input_ids.shape[1] - 1
