@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 
 import numpy as np
@@ -176,6 +177,32 @@ def test_overhead_is_counted_per_budget():
     assert controller.best() == 3
     shared = (1 + controller.expected_accepted()) / (controller.overhead + controller.verify_seconds())
     assert controller.candidates[int(np.argmax(shared))] == 7
+
+
+def test_verify_and_overhead_estimates_follow_the_machine_s_drift_not_when_each_budget_was_timed():
+    """The CPU's speed drifts (a 4-token verify took 40-73 ms within one run). Budget 7 was timed in a fast spell,
+    budget 3 is now timed in a slow one: by absolute medians 7 looks faster (2.5 / 58 ms > 2 / 67 ms), but at any one
+    moment 3 is (2 / 48 > 2.5 / 73 in the curve's units). Each budget's times relative to the scale of their moment
+    keep the curve's shape, so the choice stays 3."""
+    cost = VerifyCost(sizes=[1, 4, 8], seconds=[0.05, 0.04, 0.065])
+    controller = BudgetController(cost, candidates=[3, 7], explore_steps=0, revisit_every=10**6, half_life=1e12)
+
+    def step(b: int, drift: float, ranks: list[int]) -> None:
+        verify = drift * float(cost(b + 1))
+        controller.observe(ranks, b, step_seconds=verify + drift * 0.008, verify_seconds=verify)
+
+    for i in range(16):  # fast spell: mostly 3, every 4th step 7
+        step(7 if i % 4 == 0 else 3, drift=0.8, ranks=[0, 3] if i % 8 == 0 else [0])
+    for _ in range(16):  # slow spell: only 3
+        step(3, drift=1.4, ranks=[0])
+    assert controller.stale is None
+    assert np.allclose(controller.verify_seconds(), 1.4 * cost(controller.candidates + 1), rtol=0.02)
+    assert np.allclose(controller.overhead_seconds(), 1.4 * 0.008, rtol=0.02)
+    assert np.allclose(controller.expected_accepted(), [1.0, 1.5]) and controller.best() == 3
+    # the rule this replaces: each budget's absolute median times, whenever they were taken
+    absolute = [statistics.median(controller.observed[b]) for b in (3, 7)]
+    tps = (1 + controller.expected_accepted()) / (np.asarray(absolute) + [1.4 * 0.008, 0.8 * 0.008])
+    assert controller.candidates[int(np.argmax(tps))] == 7
 
 
 def test_the_choice_sticks_while_the_best_is_within_the_switch_margin():
@@ -507,7 +534,9 @@ def test_auto_budget_decoding_is_lossless_and_reports_budgets():
         chosen += stats["node_budgets"]
     controller = cost_model.budget_controller(head, target)
     assert chosen[:4] == [controller.max_budget] * 4  # exploration first
-    assert set(chosen) <= set(controller.candidates.tolist()) and len(set(chosen)) > 1
+    # (on this tiny target every tree size verifies in ~4 ms, so the largest tree may stay the best: the choice
+    # itself is tested on given curves above)
+    assert set(chosen) <= set(controller.candidates.tolist())
     assert head.stats["node_budget"] == controller.best() == default_node_budget(head, target)
     # "auto" on a head with a fixed budget, and the fixed budget still reported as before
     fixed = make_head(target, node_budget=12)
