@@ -32,12 +32,9 @@ Five parts:
    4, about every 30. (Measured on SmolLM2 on the CPU: with one shared overhead, no margin and unpaced revisits the
    cost-aware budget ran 7-19% slower than the fixed 3-node tree it mostly chose; BENCHMARKS.md.)
    Where the loop can time the verify exactly (CPU, or synchronised CUDA), every step also checks the cached curve:
-   t_verify is the curve times the machine's current speed (`scale`, the median ratio observed / cached over recent
-   steps), corrected per budget by how far its own verifies were from the curve relative to the speed of their
-   moment (a CPU's speed drifts by 1.5x within a run, so absolute medians taken at different moments compared
-   spells, not budgets; the overhead is scaled the same way). When that ratio stays outside
-   [1 / STALE_FACTOR, STALE_FACTOR] over a window of steps the curve is stale, its shape is not trusted, and each
-   budget's own median verify time is used: the run tries once each budget near its choice (up to twice its verify size) that it
+   t_verify is taken from the verify times of this run (median per budget, and the median ratio observed / cached
+   for budgets not yet run), and when that ratio stays outside [1 / STALE_FACTOR, STALE_FACTOR] over a window of
+   steps the curve is stale: the run tries once each budget near its choice (up to twice its verify size) that it
    has no verify time for, and the cache file is marked stale, so the next `verify_cost` measures again instead of
    starting from the bad curve. A re-measurement that agrees with the curve it replaces is marked `confirmed`: the
    disagreement came from the workload (a long context makes every verify dearer), not from the measurement, and
@@ -437,15 +434,13 @@ class BudgetController:
     whose budget was >= b (discounted counts), so the estimate is monotone in b and each increment uses all steps
     that could observe it, even when steps ran at different budgets.
 
-    Verify time per candidate, when the caller passes exact verify times: the cached curve times `scale`, the
-    median ratio (observed / curve) over the last STALE_WINDOW steps, times the candidate's own correction once it
-    has `min_observed` verifies (`verify_seconds`); this run's own median per budget once the curve is stale.
-    Medians, not means: one step that shares the CPU with something else must not move the choice. Without exact
-    verify times the curve is used as measured.
+    Verify time per candidate, when the caller passes exact verify times: the median of this run's recent verify
+    times at that budget once there are `min_observed` of them, else the cached curve times `scale`, the median
+    ratio (observed / curve) over the last STALE_WINDOW steps. Medians, not means: one step that shares the CPU
+    with something else must not move the choice. Without exact verify times the curve is used as measured.
     overhead: step wall time - verify time (head, tree search and bookkeeping), measured from whole steps, which stay
-    exact on a GPU without per-phase syncs (each step ends with a host sync): per budget once there are
-    `min_observed` steps at it (drift-corrected like the verify time, `overhead_seconds`), else the moving average
-    over all steps.
+    exact on a GPU without per-phase syncs (each step ends with a host sync): per budget the median of this run's
+    recent steps at it once there are `min_observed`, else the moving average over all steps.
     """
 
     def __init__(
@@ -478,10 +473,9 @@ class BudgetController:
         self.verify_at = np.asarray(cost(self.candidates + 1), dtype=float)  # the cached curve at each candidate
         self.ratios: deque[float] = deque(maxlen=STALE_WINDOW)  # observed / curve, recent steps
         self.observed: dict[int, deque[float]] = {}  # budget -> recent exact verify seconds
-        self.relative: dict[int, deque[float]] = {}  # budget -> recent (verify / curve) / scale at that step
         self.stale: dict | None = None  # why this run found the cached curve wrong (None: it agrees)
         self.overhead: float | None = None
-        self.residuals: dict[int, deque[float]] = {}  # budget -> recent (step - verify) / scale at that step
+        self.residuals: dict[int, deque[float]] = {}  # budget -> recent (step - verify) seconds
         self.current: int | None = None  # the budget next_budget last chose outside exploration
         self.steps = 0
         self.max_steps = 0  # steps run at the largest candidate (they inform every candidate)
@@ -508,17 +502,15 @@ class BudgetController:
         if budget >= self.max_budget:
             self.max_steps += 1
         curve = float(self.cost(tree_size or budget + 1))
-        window = 2 * self.min_observed + 1
         if verify_seconds is not None:
-            self.observed.setdefault(budget, deque(maxlen=window)).append(float(verify_seconds))
+            self.observed.setdefault(budget, deque(maxlen=2 * self.min_observed + 1)).append(float(verify_seconds))
             if curve > 0:
                 self.ratios.append(verify_seconds / curve)
-                self.relative.setdefault(budget, deque(maxlen=window)).append(verify_seconds / curve / self.scale)
                 self._check_curve()
         if step_seconds is not None:
             verify = verify_seconds if verify_seconds is not None else curve
             resid = max(step_seconds - verify, 0.0)
-            self.residuals.setdefault(budget, deque(maxlen=window)).append(resid / self.scale)
+            self.residuals.setdefault(budget, deque(maxlen=2 * self.min_observed + 1)).append(resid)
             self.overhead = resid if self.overhead is None else self.overhead + self.ema * (resid - self.overhead)
 
     def observe_tree(self, tree: DraftTree, path: torch.Tensor, budget: int, step_seconds=None, verify_seconds=None):
@@ -546,26 +538,14 @@ class BudgetController:
         return float(statistics.median(self.ratios)) if self.ratios else 1.0
 
     def verify_seconds(self) -> np.ndarray:
-        """Expected verify seconds per candidate: the curve times the machine's current `scale`, times the
-        candidate's own correction where observed `min_observed` times: the median of its (verify / curve) ratios,
-        each divided by the scale of its step.
-
-        Relative, not absolute, because a CPU's speed drifts: on the 2-core CPU a 4-token verify took 40-73 ms
-        within one run. A budget revisited in a fast spell and compared by absolute medians with the current choice
-        timed in a slow one looked cheaper than it was, and a drift made the choice swing between 3 and 7 nodes;
-        divided by the scale of the same moment, each revisit measures only how far the curve's shape is off there.
-        Once the curve is stale its shape is not trusted either: this run's own median per budget, from one
-        observation (it beats a curve known to be wrong)."""
+        """Expected verify seconds per candidate: this run's own median where observed enough (once the curve is
+        stale, one observation is enough: it beats a curve known to be wrong), else the scaled curve."""
         out = self.scale * self.verify_at
-        if self.stale is not None:
-            for i, b in enumerate(self.candidates.tolist()):
-                if self.observed.get(b):
-                    out[i] = statistics.median(self.observed[b])
-            return out
+        enough = 1 if self.stale is not None else self.min_observed
         for i, b in enumerate(self.candidates.tolist()):
-            rel = self.relative.get(b)
-            if rel is not None and len(rel) >= self.min_observed:
-                out[i] *= statistics.median(rel)
+            seen = self.observed.get(b)
+            if seen is not None and len(seen) >= enough:
+                out[i] = statistics.median(seen)
         return out
 
     def expected_accepted(self) -> np.ndarray:
@@ -575,16 +555,15 @@ class BudgetController:
         return np.where(self.obs[self.candidates] > 0, expected, np.nan)
 
     def overhead_seconds(self) -> np.ndarray:
-        """Expected head + tree search + bookkeeping seconds per candidate: once observed `min_observed` times at
-        that budget, the median of its (step - verify) times, each divided by the machine's scale at its step, times
-        the scale now (the same drift correction as `verify_seconds`); else the moving average over all steps. Per
-        budget because a larger budget drafts deeper and searches more depths (on a 2-core CPU ~12 ms at 3-4 nodes,
-        ~22 ms at 60): one shared figure made large trees look cheaper than they are."""
+        """Expected head + tree search + bookkeeping seconds per candidate: this run's median at that budget once
+        observed `min_observed` times, else the moving average over all steps. Per budget because a larger budget
+        drafts deeper and searches more depths (on a 2-core CPU ~12 ms at 3-4 nodes, ~22 ms at 60): one shared figure
+        made large trees look cheaper than they are."""
         out = np.full(self.candidates.shape, self.overhead or 0.0)
         for i, b in enumerate(self.candidates.tolist()):
             seen = self.residuals.get(b)
             if seen is not None and len(seen) >= self.min_observed:
-                out[i] = self.scale * statistics.median(seen)
+                out[i] = statistics.median(seen)
         return out
 
     def tokens_per_second(self) -> np.ndarray:
