@@ -507,9 +507,7 @@ def test_auto_budget_decoding_is_lossless_and_reports_budgets():
         chosen += stats["node_budgets"]
     controller = cost_model.budget_controller(head, target)
     assert chosen[:4] == [controller.max_budget] * 4  # exploration first
-    # (on this tiny target every tree size verifies in ~4 ms, so the largest tree may stay the best: the choice
-    # itself is tested on given curves above)
-    assert set(chosen) <= set(controller.candidates.tolist())
+    assert set(chosen) <= set(controller.candidates.tolist()) and len(set(chosen)) > 1
     assert head.stats["node_budget"] == controller.best() == default_node_budget(head, target)
     # "auto" on a head with a fixed budget, and the fixed budget still reported as before
     fixed = make_head(target, node_budget=12)

@@ -75,7 +75,7 @@ from .verify import GROUPED_SDPA, verify_tree
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 DEFAULT_PAST_LEN = 256
-COST_VERSION = 6  # 5: torch/transformers versions in the key, sanity checks, stale marks; 6: oneDNN linears for 5-64 rows
+COST_VERSION = 5  # 5: torch/transformers versions in the key; measurement record with sanity checks and stale marks
 MAX_AGE_S = 30 * 24 * 3600  # a curve that passed its checks: re-measured after 30 days (cost: BENCHMARKS.md)
 SUSPECT_MAX_AGE_S = 3600  # a curve that failed its checks on every attempt: used for an hour at most
 STALE_FACTOR = 1.5  # in-run verify times this far from the curve (median over the window) mark it stale
