@@ -48,8 +48,8 @@ def _bench(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=60, help="fixed node budget of the reference tree method")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="subset of: plain prompt_lookup dart_chain dart_tree_<budget> dart_tree_auto "
-                   "dart_tree_auto_no_lookup (plain always runs)")
+                   help="subset of: plain plain_cpu_linears prompt_lookup dart_chain dart_tree_<budget> "
+                   "dart_tree_auto dart_tree_auto_no_lookup (plain always runs; plain_cpu_linears only on CPU fp32)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
     p.add_argument("--synthetic", action="store_true",

@@ -3,15 +3,19 @@
 On the same prompts (HumanEval and held-out ShareGPT), greedy, after a warm-up generation per method:
 
     plain           target.generate(ids)                                   the reference every output must equal
+    plain_cpu_linears   plain generate inside dart_hf's few-row CPU linears (`core.cpu_linear`): the same matrix
+                    kernels DART's forwards run, so the speed-up over it is what drafting buys, not the kernel
+                    (CPU fp32 targets only: elsewhere it would be plain generate again)
     prompt_lookup   target.generate(ids, prompt_lookup_num_tokens=10)
     dart_chain      target.generate(ids, assistant_model=head, dart_mode="chain")   (transformers' assisted loop)
     dart_tree_60    target.generate(ids, assistant_model=head, dart_node_budget=60)  (reference fixed budget)
     dart_tree_auto  target.generate(ids, assistant_model=head, dart_node_budget="auto") (cost-aware budget)
     dart_tree_auto_no_lookup   the same without prompt-lookup candidates in the tree (what the head alone gives)
 
-Reported per data set and method: tokens/s, speedup over plain, accepted length (new tokens per target forward,
-counted with a forward hook on the target; plain = 1), whether every output equals plain generate, and for the
-tree methods where a step's time goes (head forward, tree search, target verify, accept + cache bookkeeping).
+Reported per data set and method: tokens/s, speedup over plain (and over plain_cpu_linears), accepted length (new
+tokens per target forward, counted with a forward hook on the target; plain = 1), whether every output equals plain
+generate, and for the tree methods where a step's time goes (head forward, tree search, target verify, accept +
+cache bookkeeping).
 Prompts are interleaved (each prompt runs every method before the next prompt) so slow drifts in machine load hit
 all methods alike. Writes results.json, results.md and results.png; the exit status is 3 when any output differs.
 
@@ -35,12 +39,14 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from ..core.cpu_linear import eligible_linears, few_row_linears
 from .assets import shipped_head
 
 DATASETS = ("humaneval", "sharegpt")
 PHASES = ("draft", "tree", "verify", "accept")
 PHASE_LABELS = {"draft": "head forward", "tree": "tree search", "verify": "target verify", "accept": "accept + cache"}
 MISMATCH_EXIT = 3
+MATCHED = "plain_cpu_linears"  # plain generate with DART's CPU matrix kernels: the kernel-matched reference
 
 
 # ---------------------------------------------------------------------------------------------------- methods
@@ -53,11 +59,13 @@ class Method:
     label: str
     run: Callable
     tree: bool = False
+    cpu_linears_only: bool = False  # run only where `few_row_linears` changes something (fp32 linears on CPU)
 
 
 def standard_methods(fixed_budget: int = 60, lookup_tokens: int = 10) -> list[Method]:
     return [
         Method("plain", "generate", lambda t, h, ids, **kw: t.generate(ids, **kw)),
+        Method(MATCHED, "generate, dart_hf's CPU linears", _plain_with_cpu_linears, cpu_linears_only=True),
         Method("prompt_lookup", f"prompt lookup ({lookup_tokens})",
                lambda t, h, ids, **kw: t.generate(ids, prompt_lookup_num_tokens=lookup_tokens, **kw)),
         Method("dart_chain", "DART chain (assisted loop)",
@@ -71,6 +79,11 @@ def standard_methods(fixed_budget: int = 60, lookup_tokens: int = 10) -> list[Me
                lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget="auto",
                                                   dart_prompt_lookup=False, **kw), tree=True),
     ]
+
+
+def _plain_with_cpu_linears(target, head, ids, **kwargs):
+    with few_row_linears(target):
+        return target.generate(ids, **kwargs)
 
 
 class ForwardCounter:
@@ -129,6 +142,8 @@ def run_bench(
     methods = methods if methods is not None else standard_methods()
     if not methods or methods[0].name != "plain":
         raise ValueError("the first bench method must be 'plain' (the reference outputs are compared with)")
+    if not eligible_linears(target):
+        methods = [m for m in methods if not m.cpu_linears_only]
     device = target.device
     gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
     if getattr(target.generation_config, "pad_token_id", None) is None:
@@ -197,12 +212,15 @@ def run_bench(
 
 
 def _summarise(tallies: dict[str, _Tally], methods: list[Method]) -> dict:
-    plain = tallies["plain"]
-    plain_tps = plain.new_tokens / plain.seconds if plain.seconds else float("nan")
+    def tokens_per_s(t: _Tally) -> float:
+        return t.new_tokens / t.seconds if t.seconds else float("nan")
+
+    plain_tps = tokens_per_s(tallies["plain"])
+    matched_tps = tokens_per_s(tallies[MATCHED]) if MATCHED in tallies else None
     out = {}
     for m in methods:
         t = tallies[m.name]
-        tps = t.new_tokens / t.seconds if t.seconds else float("nan")
+        tps = tokens_per_s(t)
         row = {
             "tokens_per_s": tps,
             "speedup": tps / plain_tps if plain_tps else float("nan"),
@@ -214,6 +232,8 @@ def _summarise(tallies: dict[str, _Tally], methods: list[Method]) -> dict:
             "mismatched_prompts": t.mismatches,
             "per_prompt": t.per_prompt,
         }
+        if matched_tps:
+            row["speedup_vs_matched"] = tps / matched_tps
         if m.tree and t.steps:
             step_total = sum(t.phases.values())
             row["steps"] = t.steps
@@ -268,12 +288,16 @@ def markdown_report(results: dict) -> str:
         "",
     ]
     for ds, rows in results["datasets"].items():
-        lines += [f"## {ds}", "", "| method | tokens/s | speedup | accepted length | equal to generate |",
-                  "|---|---:|---:|---:|---|"]
+        matched = MATCHED in rows
+        lines += [f"## {ds}", "", "| method | tokens/s | speedup | "
+                  + ("speedup over generate with the same CPU linears | " if matched else "")
+                  + "accepted length | equal to generate |", "|---|---:|---:|" + ("---:|" if matched else "")
+                  + "---:|---|"]
         for name, r in rows.items():
             equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} prompts)**"
+            vs_matched = f"{_fmt(r.get('speedup_vs_matched'))}x | " if matched else ""
             lines.append(f"| {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                         f"{_fmt(r['speedup'])}x | {_fmt(r['accepted_length'])} | {equal} |")
+                         f"{_fmt(r['speedup'])}x | {vs_matched}{_fmt(r['accepted_length'])} | {equal} |")
         tree_rows = {n: r for n, r in rows.items() if "phase_share" in r}
         if tree_rows:
             lines += ["", "Where a DART tree step's time goes (share of the average step; prefill excluded):", "",

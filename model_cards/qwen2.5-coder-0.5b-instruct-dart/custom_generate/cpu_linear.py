@@ -4,7 +4,14 @@ Why: for `x @ W.T` with a few rows, MKL's sgemm packs the weight before multiply
 forward cost well over a 1-token one although both are bound by streaming the weights once. Computing `(W @ x.T).T`
 puts the weight in the operand MKL streams without packing, so a small tree verifies in about the time of one decode
 step (BENCHMARKS.md has the verify cost curve). From about MAX_ROWS rows the packed kernel is as fast, so larger
-inputs, the 1-row decode and the prefill keep `F.linear`.
+inputs and the prefill keep `F.linear`.
+
+One row goes through the same product with the row written twice: MKL's matrix-vector path (what `F.linear` runs
+for one row) streamed SmolLM2's weights at about 40% of the speed of its 2-column product on the 2-core AMD EPYC
+CPU here (all 210 layer linears: 50 ms against 21 ms), so a head drafting one row, or a 1-token target forward,
+would pay more than a 2-token one. Plain `generate` runs that slower path for every token, which is part of every
+CPU speed-up measured against it; `dart-hf bench` reports plain `generate` inside `few_row_linears` as a
+kernel-matched reference (BENCHMARKS.md).
 
 `few_row_linears(*models)` installs this on the fp32 CPU `nn.Linear` layers of the given models and restores them on
 exit; `dart_hf.core.runtime` enters it once per DART call, for the target and the head. Results differ from
@@ -24,11 +31,14 @@ MAX_ROWS = 8
 
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` when x holds 2..MAX_ROWS rows."""
+    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` when x holds 1..MAX_ROWS rows (one row written twice)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 < rows <= MAX_ROWS:
+    if not 0 < rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        x2 = x2.repeat(2, 1)  # a real copy: a stride-0 expand sent MKL down a path 1.7x slower than F.linear
+    out = torch.mm(weight, x2.t())[:, :rows].t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
@@ -42,10 +52,15 @@ def _eligible(module: nn.Module) -> bool:
     )
 
 
+def eligible_linears(*models: nn.Module) -> list[nn.Linear]:
+    """The linears of `models` that `few_row_linears` would route (empty on GPU, in bf16, under quantizers)."""
+    return [m for model in models for m in model.modules() if _eligible(m)]
+
+
 @contextmanager
 def few_row_linears(*models: nn.Module) -> Iterator[int]:
     """Route the eligible linears of `models` through `few_row_linear` inside the block; yields their count."""
-    patched = [m for model in models for m in model.modules() if _eligible(m)]
+    patched = eligible_linears(*models)
     for m in patched:
         m.forward = lambda x, m=m: few_row_linear(x, m.weight, m.bias)
     try:
