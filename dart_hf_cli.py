@@ -91,6 +91,10 @@ def _regenerate(sub) -> None:
                    "other chats), 'code' (HumanEval from problem 100) or a JSONL file with a 'prompt' per line")
     p.add_argument("--responses", default=None,
                    help="import this JSONL of {'prompt', 'response'} texts from another engine instead of generating")
+    p.add_argument("--conversations", action="store_true",
+                   help="import ShareGPT training chats as TEXT (all turns, assistant turns labelled; the trainer "
+                   "takes the target's distribution over the text): no generation, ~10x the tokens per CPU hour")
+    p.add_argument("--max-tokens", type=int, default=1024, help="with --conversations: cut each chat at this length")
     p.add_argument("--num-prompts", type=int, default=2000)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
@@ -153,6 +157,23 @@ def _ngram(sub) -> None:
     p.add_argument("--sharegpt-limit", type=int, default=None, help="first N training conversations only")
 
 
+def _eval_head(sub) -> None:
+    p = _command(sub, "eval-head", "dart_hf.tools.eval_head:run",
+                 "how well heads draft on held-out text: per-depth agreement, chain and tree accepted length")
+    p.add_argument("heads", nargs="+", help="head folders to compare")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    p.add_argument("--n", type=int, default=20, help="held-out prompts per data set")
+    p.add_argument("--skip", type=int, default=5, help="prompts the benchmark uses (the first SKIP of each set)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--texts", default=None, help="reference texts file (default: made once, cached per target)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[1, 3, 60], help="tree node budgets to measure")
+    p.add_argument("--lookup", action="store_true", help="with prompt-lookup candidates in the tree")
+    p.add_argument("--no-ngram", action="store_true", help="without the heads' n-gram rescoring")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default="eval-head", help="folder for report.json and depth_agreement.png")
+
+
 def _convert(sub) -> None:
     p = _command(sub, "convert", "dart_hf.tools.convert:run",
                  "convert a reference DART checkpoint (fvliang/qwen*-dart) and .trie into a dart_hf head folder")
@@ -176,7 +197,7 @@ def _push(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dart-hf", description="DART speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_demo, _bench, _calibrate, _regenerate, _train, _ngram, _convert, _push):
+    for add in (_demo, _bench, _calibrate, _regenerate, _train, _eval_head, _ngram, _convert, _push):
         add(sub)
     return parser
 

@@ -70,6 +70,7 @@ import transformers
 from transformers import DynamicCache, PreTrainedModel
 
 from .runtime import verify_runtime
+from .target import cache_kwargs
 from .tree import DraftTree, ancestor_mask
 from .verify import GROUPED_SDPA, verify_tree
 
@@ -250,7 +251,7 @@ def measure_verify_cost(
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(cfg.vocab_size, (1, past_len), generator=g).to(device)
     cache = DynamicCache(config=target.config)
-    target(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1)
+    target(input_ids=prompt, use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
     trees = [synthetic_tree(n, device, cfg.vocab_size, seed=seed + n) for n in sizes]
     started = time.perf_counter()
 

@@ -23,9 +23,12 @@ from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
-from .target import check_head_matches_target, prepare_head
+from .target import cache_kwargs, check_head_matches_target, prepare_head
 from .tree import DraftTree
 from .verify import compact_cache, verify_tree
+
+_OUTPUT_CACHE = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+"""The output's cache field: `cache` from transformers 5.24 on, `past_key_values` before (see `cache_kwargs`)."""
 
 
 @torch.no_grad()
@@ -167,7 +170,7 @@ def _start_stats(head: DartHead, stats: DartStats | None, budget_mode: str, budg
 # ------------------------------------------------------------------------------------------------ the steps
 def _prefill(model, input_ids, cache, logits_processor, do_sample: bool):
     """(raw logits, processed scores, first new token [1, 1]) of the prompt, chosen as `generate` chooses it."""
-    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
     if do_sample:
@@ -257,5 +260,5 @@ class _Output:
             sequences=input_ids,
             scores=tuple(self.scores) if self.config.output_scores else None,
             logits=tuple(self.logits) if self.config.output_logits else None,
-            cache=cache if self.config.use_cache else None,
+            **{_OUTPUT_CACHE: cache if self.config.use_cache else None},
         )

@@ -6,6 +6,7 @@ Data flow of a decoding step (docs/DART_SPEC.md §1):
     fc_out = fc(aux)                                          residual stream of real rows
     real_in = cat(input_layernorm(embed(next_token)), hidden_norm(fc_out))
     mask_in = mask_rep  (K copies)                            residual of MASK rows is mask_rep[:hidden]
+              (+ slot_proj(last real row's input) with `mask_slot_content`)
     attention over [cached real | new real | K MASK] with RoPE at past_len + arange(r + K), causal
     keep rows [last real, MASK_1..MASK_K] -> MLP -> norm -> lm_head      = K + 1 draft distributions
 
@@ -120,6 +121,8 @@ class DartMidLayer(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.mask_rep = nn.Parameter(torch.zeros(2 * h))
+        # zero-initialised: a fresh slot_proj leaves the reference behaviour, training moves it off zero
+        self.slot_proj = nn.Linear(2 * h, 2 * h, bias=False) if config.mask_slot_content else None
         self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -185,6 +188,8 @@ class DartPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)  # Linear, RMSNorm and the rotary buffers
         if isinstance(module, DartMidLayer):
             nn.init.normal_(module.mask_rep, mean=0.0, std=self.config.initializer_range)
+            if module.slot_proj is not None:
+                nn.init.zeros_(module.slot_proj.weight)
 
 
 def _refuse_missing_local_folder(path) -> None:
@@ -339,9 +344,17 @@ class DartHead(DartPreTrainedModel):
         x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(fc_out)], dim=-1)
         return x, fc_out
 
-    def _mask_inputs(self, batch: int, count: int):
-        rep = self.midlayer.mask_rep
-        x = rep.expand(batch, count, rep.numel())
+    def _mask_inputs(self, last_real: torch.Tensor, count: int):
+        """(attention input, residual) of `count` MASK slots after each row of `last_real` [B, R, 2H] (the real
+        row each block of slots follows): [B, R * count, ...]. `mask_rep` alone for reference heads; with
+        `mask_slot_content`, plus `slot_proj(last_real)` (the same for every slot of a block)."""
+        layer = self.midlayer
+        b, r, width = last_real.shape
+        if layer.slot_proj is None:
+            x = layer.mask_rep.to(last_real.dtype).expand(b, r * count, width)
+        else:
+            x = (layer.mask_rep + layer.slot_proj(last_real)).unsqueeze(2).expand(b, r, count, width)
+            x = x.reshape(b, r * count, width)
         return x, x[..., : self.config.hidden_size]
 
     def _mlp_out(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -378,7 +391,7 @@ class DartHead(DartPreTrainedModel):
         modules = self._target_modules(target_modules)
         r, k_slots = aux_hidden.shape[1], depth - 1
         real_x, real_res = self._layer_inputs(aux_hidden, next_tokens, modules)
-        mask_x, mask_res = self._mask_inputs(1, k_slots)
+        mask_x, mask_res = self._mask_inputs(real_x[:, -1:], k_slots)
         x = torch.cat([real_x, mask_x], dim=1)
         past = cache.length
         positions = torch.arange(past, past + r + k_slots, device=x.device).unsqueeze(0)
@@ -417,7 +430,8 @@ class DartHead(DartPreTrainedModel):
         b, t = next_tokens.shape
         a, k_slots = anchors.shape[1], self.config.draft_length
         real_x, real_res = self._layer_inputs(aux_hidden, next_tokens, modules)
-        mask_x, mask_res = self._mask_inputs(b, a * k_slots)
+        last_real = torch.gather(real_x, 1, anchors.unsqueeze(-1).expand(-1, -1, real_x.shape[-1]))
+        mask_x, mask_res = self._mask_inputs(last_real, k_slots)
         x = torch.cat([real_x, mask_x], dim=1)
         slot = torch.arange(k_slots, device=x.device)
         mask_pos = (anchors.unsqueeze(-1) + 1 + slot).reshape(b, a * k_slots)

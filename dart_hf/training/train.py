@@ -81,7 +81,7 @@ LOSSES = ("kl", "ce")
 class TrainConfig:
     draft_length: int = 7
     draft_vocab_size: int | None = 8192  # None: tie to the target lm_head (full vocab)
-    anchors_per_sequence: int = 48
+    anchors_per_sequence: int = 48  # 0: every position with a label
     gamma: float = 0.6
     loss: str = "kl"  # "kl" (target distribution, token corpus only) or "ce" (target argmax)
     lr: float = 1e-3
@@ -98,6 +98,10 @@ class TrainConfig:
     cache_features: bool = False  # keep target features in memory after their first forward (token corpora)
     log_every: int = 20
     save_every: int = 200
+    max_seconds: float | None = None  # a time budget: the schedule runs on elapsed time and training stops there
+    standardize_aux: bool = False  # train fc on captured-layer inputs scaled to unit RMS per dimension (folded at save)
+    mask_slot_content: bool = False  # a fresh head's MASK slots read the last real row (DartConfig.mask_slot_content)
+    mixed_precision: str = "no"  # "bf16": the head's forward under bf16 autocast (accelerate); losses stay fp32
 
     def __post_init__(self) -> None:
         if self.widen_draft_vocab is not None and self.init_from is None:
@@ -192,7 +196,8 @@ def new_head(target: PreTrainedModel, examples: SequenceOf[Sequence | Example], 
     vocab = None
     if cfg.draft_vocab_size is not None:
         vocab = choose_draft_vocab(examples, cfg.draft_vocab_size, eos_ids)
-    head = DartHead.from_target(target, draft_length=cfg.draft_length, draft_vocab_size=None if vocab is None else vocab.numel())
+    head = DartHead.from_target(target, draft_length=cfg.draft_length, mask_slot_content=cfg.mask_slot_content,
+                                draft_vocab_size=None if vocab is None else vocab.numel())
     head = head.float()
     with torch.no_grad():
         head.norm.weight.copy_(target.get_decoder().norm.weight.float())
@@ -214,11 +219,72 @@ def target_to_draft(head: DartHead) -> torch.Tensor | None:
 def anchor_positions(example: Sequence | Example, n_anchors: int, rng: random.Random) -> list[int]:
     """Sorted anchors of one sequence: anchor a pairs state h_a with token a+1 and its depth-d row predicts
     token a+2+d, so anchors start where the response labels start (a + 2 >= prompt length) and end where
-    depth 0 still has a label. Empty when the response is too short."""
+    depth 0 still has a label; with a label mask, only anchors whose depth-0 token is labelled. `n_anchors` <= 0:
+    all of them. Empty when the response is too short."""
     first, last = max(example.prompt_length - 2, 0), example.ids.numel() - 3
     if last < first:
         return []
-    return sorted(rng.sample(range(first, last + 1), min(n_anchors, last + 1 - first)))
+    candidates = range(first, last + 1)
+    mask = getattr(example, "label_mask", None)
+    if mask is not None:
+        candidates = (torch.nonzero(mask[first + 2 : last + 3]).flatten() + first).tolist()
+    if n_anchors <= 0 or n_anchors >= len(candidates):
+        return list(candidates)
+    return sorted(rng.sample(candidates, n_anchors))
+
+
+def labelled_tokens(example: Sequence | Example) -> int:
+    """Tokens the head learns to predict in one sequence (its response, or its label mask)."""
+    mask = getattr(example, "label_mask", None)
+    return int(mask.sum()) if mask is not None else example.ids.numel() - example.prompt_length
+
+
+def label_validity(valid: torch.Tensor, position: torch.Tensor, ids: torch.Tensor, label_mask: torch.Tensor,
+                   argmax: torch.Tensor) -> torch.Tensor:
+    """`valid` [B, A, K+1] narrowed to rows whose token is labelled and whose context agrees with the target.
+
+    Row (a, d) predicts token a+2+d from the target's distribution at `position` = a+1+d, computed over the TEXT
+    prefix. At decoding time depth d is only reached along the target's own greedy tokens a+2..a+1+d, so a label
+    is kept only where the text's tokens before it are the target's argmax (for a corpus of the target's own
+    greedy answers, everywhere). Depth 0 needs no agreement: its context is the text the target has seen."""
+    token = ids.gather(1, (position + 1).clamp(max=ids.shape[1] - 1).flatten(1)).view(position.shape)
+    labelled = label_mask.gather(1, (position + 1).clamp(max=label_mask.shape[1] - 1).flatten(1)).view(position.shape)
+    agree = (argmax == token).long().cumprod(-1)
+    prefix_agrees = torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1]], dim=-1).bool()
+    return valid & labelled & prefix_agrees
+
+
+@torch.no_grad()
+def aux_scale(target: PreTrainedModel, layer_ids: list[int], data: SequenceOf[Sequence], device,
+              n: int = 32) -> torch.Tensor:
+    """Per-dimension RMS [3H] of the captured-layer inputs over the first `n` sequences (deterministic, so a
+    resumed run finds the same scale). Why: a few of the target's residual dimensions carry most of the energy
+    (SmolLM2: 5 of 576 dims hold over half, magnitudes ~1000), so unscaled they dominate `fc`'s early updates."""
+    seqs = list(data[:n])
+    ids = pad_sequence([e.ids for e in seqs], batch_first=True).to(device)
+    lengths = torch.tensor([e.ids.numel() for e in seqs], device=device)
+    aux, _ = target_features(target, layer_ids, ids, lengths)
+    rows = torch.arange(aux.shape[1], device=device) < (lengths - 1).unsqueeze(1)
+    return aux[rows].float().pow(2).mean(0).sqrt().clamp(min=1e-6)
+
+
+class FoldedFc:
+    """Within the block, `head.fc` holds the weight for RAW captured inputs (the saved format); outside, the weight
+    for inputs divided by `scale`, which is what training updates. No-op without a scale."""
+
+    def __init__(self, head: DartHead, scale: torch.Tensor | None):
+        self.head, self.scale = head, scale
+
+    def __enter__(self):
+        if self.scale is not None:
+            with torch.no_grad():
+                self.head.fc.weight.div_(self.scale.to(self.head.fc.weight))
+        return self.head
+
+    def __exit__(self, *exc):
+        if self.scale is not None:
+            with torch.no_grad():
+                self.head.fc.weight.mul_(self.scale.to(self.head.fc.weight))
 
 
 class AnchorCollator:
@@ -241,11 +307,15 @@ class AnchorCollator:
             "lengths": torch.tensor([s.ids.numel() for s in seqs]),
             "anchors": torch.tensor([x + [x[0]] * (a - len(x)) for x in anchors]),
             "anchor_valid": torch.tensor([[True] * len(x) + [False] * (a - len(x)) for x in anchors]),
-            "response_tokens": torch.tensor(sum(s.ids.numel() - s.prompt_length for s in seqs)),
+            "response_tokens": torch.tensor(sum(labelled_tokens(s) for s in seqs)),
             "index": torch.tensor(index),
         }
         if isinstance(seqs[0], Example):
             batch["aux"] = pad_sequence([s.aux for s in seqs], batch_first=True)  # aux rows: T - 1 per sequence
+        else:
+            masks = [s.label_mask if s.label_mask is not None else torch.arange(s.ids.numel()) >= s.prompt_length
+                     for s in seqs]
+            batch["label_mask"] = pad_sequence(masks, batch_first=True)
         return batch
 
 
@@ -368,10 +438,13 @@ def batch_loss(
     return (ce * weight).sum(), weight.sum()
 
 
-def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+def _lr_at(step: int, total: int, cfg: TrainConfig, seconds: float = 0.0) -> float:
+    """Linear warm-up, then a cosine decay over the steps, or over `max_seconds` when that ends first."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1)
+    if cfg.max_seconds:
+        progress = max(progress, seconds / cfg.max_seconds)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -408,7 +481,8 @@ def train_head(
     cfg = cfg or TrainConfig()
     if cfg.loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {cfg.loss!r}")
-    accelerator = Accelerator(cpu=str(device) == "cpu", gradient_accumulation_steps=cfg.grad_accum)
+    accelerator = Accelerator(cpu=str(device) == "cpu", gradient_accumulation_steps=cfg.grad_accum,
+                              mixed_precision=cfg.mixed_precision)
     out, ckpt = Path(out_dir), Path(out_dir) / "checkpoint"
     data = [e for e in load_training_data(data_dir) if anchor_positions(e, 1, random.Random(0))]
     stored = isinstance(data[0], Example) if data else False
@@ -426,6 +500,9 @@ def train_head(
     if ckpt.exists():
         head = DartHead.from_pretrained(ckpt).float()
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        if bool(cfg.standardize_aux) != ("aux_scale" in state):
+            raise ValueError(f"{ckpt} was trained with standardize_aux={not cfg.standardize_aux}: resume with the same "
+                             "setting, or train into a new folder")
     elif cfg.init_from is not None:
         head, state = DartHead.from_pretrained(cfg.init_from).float(), None
         if cfg.widen_draft_vocab is not None:
@@ -441,6 +518,14 @@ def train_head(
     layer_ids = list(head.config.aux_layer_ids)
     draft_ids = None if head.lm_head is None else head.draft_to_target.to(accelerator.device)
     to_draft = None if head.lm_head is None else target_to_draft(head).to(accelerator.device)
+    scale = None
+    if cfg.standardize_aux:
+        if stored:
+            raise ValueError("standardize_aux reads the target's features: use a token corpus")
+        scale = state["aux_scale"].to(accelerator.device) if state is not None else aux_scale(
+            target, layer_ids, data, accelerator.device)
+        with torch.no_grad():
+            head.fc.weight.mul_(scale.to(head.fc.weight))  # the saved weight reads raw inputs: unfold it
     params = [p for p in head.parameters() if p.requires_grad]
     cache = None
     if cfg.cache_features:
@@ -453,11 +538,12 @@ def train_head(
     if total_steps == 0:
         raise ValueError(f"{len(data)} sequences x {cfg.epochs} epochs do not fill one optimizer step of "
                          f"{cfg.batch_size} x {accelerator.num_processes} processes x {cfg.grad_accum} accumulation")
-    step, history, evaluations, tokens = 0, [], [], 0
+    step, history, evaluations, tokens, spent = 0, [], [], 0, 0.0
     if state is not None:
         optim.load_state_dict(state["optimizer"])
         step, history = state["step"], json.loads(state["history"])
         evaluations, tokens = json.loads(state.get("evaluations", "[]")), int(state.get("tokens", 0))
+        spent = float(state.get("seconds", 0.0))
     loader = DataLoader(range(len(order)), batch_size=cfg.batch_size, shuffle=False,
                         collate_fn=AnchorCollator(data, order, cfg.anchors_per_sequence, cfg.seed))
     model, optim, loader = accelerator.prepare(head, optim, loader)
@@ -472,7 +558,7 @@ def train_head(
             return
         if main:
             head.eval()
-            with torch.no_grad():
+            with torch.no_grad(), FoldedFc(head, scale):
                 evaluations.append({"step": step, "tokens": tokens, "accepted_length": evaluate(head)})
             head.train()
             tqdm.write(f"step {step}, {tokens} tokens: accepted length {evaluations[-1]['accepted_length']}")
@@ -481,12 +567,14 @@ def train_head(
     k1 = head.config.num_predictions
     depth = torch.arange(k1, device=accelerator.device)
     zeros = lambda: torch.zeros(k1, device=accelerator.device)
-    acc_correct, acc_count, acc_loss, acc_n, started = zeros(), zeros(), zeros()[0], 0, time.perf_counter()
+    acc_correct, acc_count, acc_loss, acc_n = zeros(), zeros(), zeros()[0], 0
+    started = time.perf_counter() - spent  # wall time of this run and the ones it resumes
+    elapsed = lambda: time.perf_counter() - started
     seen = torch.tensor(tokens, device=accelerator.device)  # response tokens trained on, summed over processes
     with tqdm(total=total_steps, initial=step, desc="train head", unit="step", disable=not main) as bar:
         maybe_evaluate()
         for batch in loader:
-            if step >= total_steps:
+            if step >= total_steps or (cfg.max_seconds and elapsed() >= cfg.max_seconds):
                 break
             ids, lengths, anchors = batch["ids"], batch["lengths"], batch["anchors"]
             # anchor a, depth d predicts token a+2+d: the target's distribution at position a+1+d (< T-1)
@@ -503,11 +591,12 @@ def train_head(
                     cache.put(batch["index"], lengths, aux, final)
                 teacher = teacher_targets(target, final, position, draft_ids)
                 token = teacher.argmax
+                valid = label_validity(valid, position, ids, batch["label_mask"], token)
             labels = torch.where(valid, token, IGNORE)
             if to_draft is not None:  # targets outside the draft vocab have no label (their KL is renormalised)
                 labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], IGNORE)
             with accelerator.accumulate(model):
-                logits = model(aux.float(), ids[:, 1:], anchors)
+                logits = model(aux.float() if scale is None else aux.float() / scale, ids[:, 1:], anchors)
                 loss_sum, weight = batch_loss(cfg.loss, logits, valid, labels, cfg.gamma, teacher)
                 # normalised by the weight of all processes: N processes then average to one global-batch loss
                 total_weight = accelerator.reduce(weight.detach(), "sum").clamp(min=1e-6)
@@ -515,7 +604,7 @@ def train_head(
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     for g in optim.param_groups:
-                        g["lr"] = _lr_at(step, total_steps, cfg)
+                        g["lr"] = _lr_at(step, total_steps, cfg, elapsed())
                     accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
                 optim.step()
                 optim.zero_grad(set_to_none=True)
@@ -530,21 +619,26 @@ def train_head(
             step += 1
             bar.update(1)
             tokens = int(seen)  # once per optimizer step, not per micro-batch
-            if step % cfg.log_every == 0 or step == total_steps:
+            last = step == total_steps or bool(cfg.max_seconds and elapsed() >= cfg.max_seconds)
+            if step % cfg.log_every == 0 or last:
                 accuracy = (acc_correct / acc_count.clamp(min=1)).tolist()
                 history.append({"step": step, "sequences": step * cfg.grad_accum * cfg.batch_size
                                 * accelerator.num_processes, "tokens": tokens, "loss": float(acc_loss) / max(acc_n, 1),
-                                "accuracy": accuracy, "seconds": time.perf_counter() - started})
+                                "accuracy": accuracy, "seconds": elapsed()})
                 bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc0=f"{accuracy[0]:.2f}", acc1=f"{accuracy[1]:.2f}")
                 acc_correct, acc_count, acc_loss, acc_n = zeros(), zeros(), zeros()[0], 0
             maybe_evaluate()
-            if step % cfg.save_every == 0 or step == total_steps:
+            if step % cfg.save_every == 0 or last:
                 accelerator.wait_for_everyone()
                 if main:
-                    _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens)
+                    with FoldedFc(head, scale):
+                        _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens, elapsed(), scale)
                 accelerator.wait_for_everyone()
+    if cfg.max_seconds and step < total_steps:  # stopped by the time budget: the evaluation below is the last one
+        total_steps = step
     maybe_evaluate()
     head.eval()
+    FoldedFc(head, scale).__enter__()  # from here on the head reads raw inputs, as saved
     if main:
         head.save_pretrained(out)
         (out / "training_history.json").write_text(
@@ -588,11 +682,15 @@ def plot_history(history: list[dict], path: Path, evaluations: list[dict] | None
     plt.close(fig)
 
 
-def _save_checkpoint(head: DartHead, optim, step: int, history: list, ckpt: Path, evaluations: list, tokens: int) -> None:
+def _save_checkpoint(head: DartHead, optim, step: int, history: list, ckpt: Path, evaluations: list, tokens: int,
+                     seconds: float, scale: torch.Tensor | None) -> None:
     tmp = ckpt.with_name("checkpoint.tmp")
     head.save_pretrained(tmp)
-    torch.save({"optimizer": optim.state_dict(), "step": step, "history": json.dumps(history),
-                "evaluations": json.dumps(evaluations), "tokens": tokens}, tmp / "trainer_state.pt")
+    state = {"optimizer": optim.state_dict(), "step": step, "history": json.dumps(history),
+             "evaluations": json.dumps(evaluations), "tokens": tokens, "seconds": seconds}
+    if scale is not None:
+        state["aux_scale"] = scale.cpu()
+    torch.save(state, tmp / "trainer_state.pt")
     if ckpt.exists():
         for f in ckpt.iterdir():
             f.unlink()
