@@ -49,6 +49,9 @@ RECIPES = {
 
 def train_one(args: argparse.Namespace) -> None:
     """One recipe: train for `--seconds`, save, measure on the held-out texts (report.json beside the head)."""
+    # the recipes share the machine's cores: one torch thread pool each, sized to its share (16 threads per process
+    # on 16 cores made every small CPU op of 5 processes wait on the others; the first H200 run never left setup)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(args.recipes) + 1)))
     cfg, with_text = RECIPES[args.recipe]
     batch = args.batch_size if cfg.anchors_per_sequence == 0 else args.batch_size * 4  # 48 anchors: ~1/4 the rows
     cfg = replace(cfg, max_seconds=args.seconds, batch_size=batch, mixed_precision=args.mixed_precision)

@@ -190,6 +190,18 @@ def widen_draft_vocab(head: DartHead, target: PreTrainedModel, examples: Sequenc
     return wide
 
 
+def with_slot_content(head: DartHead) -> DartHead:
+    """`head` with `mask_slot_content` turned on: the same weights and a zero `slot_proj`, so it drafts exactly as
+    before until training moves `slot_proj` (a fine-tune can add the lever to a trained head)."""
+    config = head.config.__class__.from_dict({**head.config.to_dict(), "mask_slot_content": True})
+    slotted = DartHead(config).to(device=head.fc.weight.device, dtype=head.fc.weight.dtype)
+    missing = slotted.load_state_dict(head.state_dict(), strict=False).missing_keys
+    if missing != ["midlayer.slot_proj.weight"]:
+        raise RuntimeError(f"adding slot_proj lost weights: {missing}")
+    slotted.ngram = head.ngram
+    return slotted
+
+
 def new_head(target: PreTrainedModel, examples: SequenceOf[Sequence | Example], cfg: TrainConfig,
              eos_ids: list[int]) -> DartHead:
     """A head warm-started in the target's output space (see module docstring)."""
@@ -507,6 +519,8 @@ def train_head(
         head, state = DartHead.from_pretrained(cfg.init_from).float(), None
         if cfg.widen_draft_vocab is not None:
             head = widen_draft_vocab(head, target, data, cfg.widen_draft_vocab)
+        if cfg.mask_slot_content and not head.config.mask_slot_content:
+            head = with_slot_content(head)
     else:
         torch.manual_seed(cfg.seed)  # the same config trains the same head
         head, state = new_head(target, data, cfg, eos_ids or []), None
