@@ -20,7 +20,7 @@ DOCS = sorted(
 
 # Paths the docs mention that are not in the repository by design: outputs of commands (runs/, reference/,
 # the user's own folders), per-user caches, and folders that commands write inside a head folder.
-NOT_IN_REPO = ("runs/", "reference/", "<", "~/", "$", "path/to/", "dart_hf/model_cards/")
+NOT_IN_REPO = ("runs/", "reference/", "<", "~/", "$")
 GENERATED_NAMES = ("custom_generate/", "custom_generate/generate.py", "checkpoint/")
 # Bare file names (no folder) are checked only for Python modules: they must exist somewhere in the repository.
 PATH_EXT = (".py", ".md", ".json", ".jsonl", ".safetensors", ".png", ".sh", ".toml", ".pt", ".trie", ".gguf")
