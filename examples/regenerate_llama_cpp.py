@@ -2,7 +2,7 @@
 
 Why: on a 2-core CPU, transformers' batched `generate` of SmolLM2-135M makes 40-45 response tokens per second in
 fp32 and 80 in bf16; llama.cpp on the same Q4_1 GGUF (the file dart_hf de-quantises into the fp32 target) makes 95-99
-with two 1-thread processes (README, "Regenerating on a CPU"): a modest gain, measured. The prompts are dart_hf's
+with two 1-thread processes: a modest gain, measured. The prompts are dart_hf's
 token ids (the target's chat template, `prompt_token_ids`), the answers come back as token ids too, so nothing is
 re-tokenised; each answer is cut after its first EOS as `dart-hf regenerate` does.
 The answers are llama.cpp's greedy ones (quantised weights, its own kernels), which agree with the fp32 target's

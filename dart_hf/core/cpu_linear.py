@@ -3,13 +3,12 @@
 Why: for `x @ W.T` with a few rows, MKL's sgemm packs the weight before multiplying, so on a small CPU a few-token
 forward cost well over a 1-token one although both are bound by streaming the weights once. Computing `(W @ x.T).T`
 puts the weight in the operand MKL streams without packing, so a small tree verifies in about the time of one decode
-step (BENCHMARKS.md has the verify cost curve). From about MAX_ROWS rows the packed kernel is as fast, so larger
+step (`dart-hf calibrate` prints the verify cost curve). From about MAX_ROWS rows the packed kernel is as fast, so larger
 inputs and the prefill keep `F.linear`.
 
 One row goes through the same product with the row written twice: MKL's matrix-vector path (what `F.linear` runs
-for one row) streamed SmolLM2's weights at about 40% of the speed of its 2-column product on the 2-core AMD EPYC
-CPU here (all 210 layer linears: 50 ms against 21 ms), so a head drafting one row, or a 1-token target forward,
-would pay more than a 2-token one. Plain `generate` runs that slower path for every token, which is part of every
+for one row) can stream the weights more slowly than the 2-column product, so a head drafting one row, or a 1-token
+target forward, would pay more than a 2-token one. Plain `generate` runs that slower path for every token, which is part of every
 CPU speed-up measured against it; `dart-hf bench` reports plain `generate` inside `few_row_linears` as a
 kernel-matched reference (BENCHMARKS.md).
 
@@ -37,7 +36,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     if rows == 1:
-        x2 = x2.repeat(2, 1)  # a real copy: a stride-0 expand sent MKL down a path 1.7x slower than F.linear
+        x2 = x2.repeat(2, 1)  # a real copy: a stride-0 expand sends MKL down a slower path than F.linear
     out = torch.mm(weight, x2.t())[:, :rows].t().contiguous().reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 

@@ -468,11 +468,9 @@ def read_trie(path: str | os.PathLike, vocab_size: int | None = None, progress: 
 
     The file is memory-mapped, never read byte by byte: node fields are gathered with numpy, and the only Python
     loop is the walk over record boundaries (one step per record, long runs of leaf records in one numpy view).
-    Measured on this project's shared 2-core CPU: a 5.2M-node order-3 trie (188 MB) reads in about 5 s, i.e.
-    roughly 1M nodes/s, with a peak of about 60 bytes of RAM per node on top of the file's (reclaimable) page
-    cache. So `small.trie`-class files convert in seconds to minutes; the released `full.trie` (~1.3e9 nodes,
-    43 GB) needs a machine with ~80 GB of RAM and roughly half an hour: convert it once and ship
-    `ngram.safetensors`.
+    Memory grows with the node count (tens of bytes per node on top of the file's reclaimable page cache), so
+    `small.trie`-class files convert in seconds to minutes, while the released `full.trie` (~1.3e9 nodes) needs a
+    machine with RAM well beyond its size: convert it once and ship `ngram.safetensors`.
 
     Every node's freq becomes its n-gram's count, which is what the reference lookup reads (a context's count is
     its own node's freq, docs/DART_SPEC.md §5), so probabilities equal the reference's. Nodes with freq 0 (left by

@@ -8,7 +8,7 @@ without bound and be shared. Without it, answers are regenerated with their feat
 Every stage resumes: feature shards per batch, the trainer from `out/checkpoint/`, and stages whose output
 exists are skipped, so the same command can be rerun after a kill. Runs on a CPU (the default sizes fit a
 2-core machine in about an hour), unchanged on CUDA (`--device cuda`), and data-parallel under
-`accelerate launch` (see README "Training a head at scale").
+`accelerate launch` (docs/TRAINING.md).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ tokens it lacks (`widen_draft_vocab`), since a head never drafts a token outside
 Throughput: batches are grouped by length (transformers' `get_length_grouped_indices`: shuffled, then sorted
 within mega-batches), so a batch pads to its own longest sequence rather than to a random long one; and with
 `cache_features` each sequence's target features are kept in memory after their first forward, so epochs after
-the first skip the target (Qwen2.5-Coder-0.5B on a 2-core CPU: 14.0 -> 5.2 s per step of 4 sequences).
+the first skip the target forward, the largest part of a step when the target is much larger than the head.
 
 Resumable: `out/checkpoint/` holds the head, optimizer and history; rerunning the same command continues.
 
@@ -153,13 +153,11 @@ def widen_draft_vocab(head: DartHead, target: PreTrainedModel, examples: Sequenc
     """`head` with its draft vocabulary grown to `size` by the most frequent response tokens it lacks.
 
     Why: a head can never draft a token outside its draft vocabulary, and a vocabulary chosen on one corpus misses
-    the frequent tokens of the next (the SmolLM2 head's ShareGPT vocabulary lacked " str" and " bool": 6% of
-    held-out response tokens). Trained rows are kept. A new row is the target's lm_head row mapped into the space
-    the head's rows have moved to: the least-squares linear map from the target's rows to the trained rows over the
-    old vocabulary, applied to the new tokens' target rows. Measured on the SmolLM2 head (8,192 -> 16,308 tokens):
-    with that map the widened head drafts as well as before any training (held-out accepted length 2.301 / 2.127
-    against 2.301 / 2.133), while the target's rows merely rescaled to the trained rows' norm took it to 1.59 / 1.43
-    (the new rows outbid the trained ones), and 120 steps of fine-tuning had not undone that (2.257 / 2.072).
+    the frequent tokens of the next (a vocabulary chosen on chat text lacks code tokens such as " str" and " bool").
+    Trained rows are kept. A new row is the target's lm_head row mapped into the space the head's rows have moved
+    to: the least-squares linear map from the target's rows to the trained rows over the old vocabulary, applied to
+    the new tokens' target rows. So the widened head drafts as well as before, before any training; target rows
+    merely rescaled to the trained rows' norm outbid the trained ones, and fine-tuning is slow to undo that.
     Fewer new tokens than asked when the data holds fewer unseen ones."""
     if head.lm_head is None:
         raise ValueError("this head drafts over the full target vocabulary (tied lm_head): there is nothing to widen")
