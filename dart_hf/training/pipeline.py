@@ -48,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
             save_every=args.save_every,
             cache_features=args.cache_features,
             group_by_length=args.group_by_length,
+            standardize_aux=args.standardize_aux,
+            mask_slot_content=args.slot_content,
+            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+            mixed_precision=args.mixed_precision,
         )
     except ValueError as err:  # settings that contradict each other: said before the target loads
         print(f"dart-hf train: error: {err}", file=sys.stderr)
