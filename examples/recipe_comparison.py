@@ -5,8 +5,10 @@ for the same wall time (`--seconds`, the learning-rate schedule runs on that clo
 `dart_hf.tools.eval_head` on the held-out reference texts. Written for one GPU (the recipes share it), and runs
 unchanged on a CPU with tiny settings (how it is tested):
 
-    python examples/recipe_comparison.py --target smollm2-135m-instruct --texts runs/texts-5-25.pt \\
-        --corpora corpora/smollm2-* --text-corpus runs/sharegpt-text --seconds 240 --device cuda --out runs/recipes
+    dart-hf regenerate --target smollm2-135m-instruct --conversations --out runs/sharegpt-text    # chats as text
+    python examples/recipe_comparison.py --target smollm2-135m-instruct --texts runs/recipes/texts.pt \\
+        --corpora corpora/smollm2-* --text-corpus runs/sharegpt-text --seconds 240 --mixed-precision bf16 \\
+        --device cuda --speed 3 --out runs/recipes
 
 Writes `<out>/<recipe>/` (head, training_history.json, report.json), `<out>/recipes.md` (one table) and
 `<out>/depth_agreement.png`; with `--speed N`, `<out>/speed.json`: plain `generate` vs DART with the best head on the
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dart_hf.tools.assets import load_target
+from dart_hf.tools.assets import eval_prompts, load_target
 from dart_hf.tools.eval_head import evaluate_head, format_table, plot_reports
 from dart_hf.tools.offline_acceptance import load_texts, reference_texts, save_texts
 from dart_hf.training.train import TrainConfig, train_head
@@ -65,7 +67,7 @@ def train_one(args: argparse.Namespace) -> None:
     head = train_head(target, corpora, out, cfg, eos_ids=eos_ids, device=args.device)
     trained = time.perf_counter() - started
     head = head.to(target.device).eval()
-    texts = load_texts(wait_for(Path(args.texts)))
+    texts = load_texts(args.texts)
     report = evaluate_head(target, head, texts, args.budgets, lookup=False, eos_token_ids=torch.tensor(eos_ids),
                            desc=args.recipe)
     history = json.loads((out / "training_history.json").read_text())["history"]
@@ -76,21 +78,15 @@ def train_one(args: argparse.Namespace) -> None:
 
 def make_texts(args: argparse.Namespace) -> None:
     """The held-out reference texts from `--prompts` (a torch file {data set: [ids [1, T]]}, made where the data
-    sets are installed), written atomically to `--texts`; runs beside the training processes."""
-    target, _ = load_target(args.target, device=args.device)
-    prompts = torch.load(args.prompts)
+    sets are installed), written atomically to `--texts`."""
+    target, tokenizer = load_target(args.target, device=args.device)
+    if args.prompts:  # a machine without the data sets: their prompt ids, saved where they are installed
+        prompts = torch.load(args.prompts)
+    else:
+        prompts = {ds: eval_prompts(tokenizer, ds, 25)[5:] for ds in ("humaneval", "sharegpt")}
     texts = {ds: reference_texts(target, items, args.max_new_tokens, desc=f"texts {ds}") for ds, items in prompts.items()}
     save_texts(texts, str(args.texts) + ".tmp")
     os.replace(str(args.texts) + ".tmp", args.texts)
-
-
-def wait_for(path: Path, seconds: float = 900.0) -> Path:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {seconds:.0f} s")
-        time.sleep(2.0)
-    return path
 
 
 def speed(args: argparse.Namespace, head_dir: Path) -> dict:
@@ -135,9 +131,9 @@ def main() -> None:
     ap.add_argument("--corpora", nargs="*", default=[], help="regenerated token corpora (every recipe)")
     ap.add_argument("--text-corpus", default=None, help="chats as text (`dart-hf regenerate --conversations`)")
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    ap.add_argument("--prompts", default=None, help="held-out prompt ids to make --texts from when it is missing")
+    ap.add_argument("--prompts", default=None, help="held-out prompt ids ({data set: [ids]}, torch.save) to make --texts "
+                    "from when it is missing (default: HumanEval / held-out ShareGPT prompts 5-24, if installed)")
     ap.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # one recipe, in a child process
-    ap.add_argument("--make-texts", action="store_true", help=argparse.SUPPRESS)  # the texts, in a child process
     ap.add_argument("--seconds", type=float, default=240.0, help="training wall time of every recipe")
     ap.add_argument("--batch-size", type=int, default=2, help="sequences per step (x4 for the 48-anchor recipe)")
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
@@ -151,18 +147,11 @@ def main() -> None:
     if args.recipe:
         train_one(args)
         return
-    if args.make_texts:
-        make_texts(args)
-        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     children = {}
-    if not Path(args.texts).exists():
-        if not args.prompts:
-            raise SystemExit(f"{args.texts} does not exist: pass --prompts to make it")
-        log = open(out / "texts.log", "w")
-        argv = [sys.executable, __file__, *sys.argv[1:], "--make-texts"]
-        children["texts"] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log)
+    if not Path(args.texts).exists():  # made first, alone: beside the training processes it took ~6x longer
+        make_texts(args)
     for name in args.recipes:
         argv = [sys.executable, __file__, *sys.argv[1:], "--recipe", name]
         log = open(out / f"{name}.log", "w")
