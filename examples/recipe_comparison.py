@@ -2,8 +2,8 @@
 
 Each recipe (a `TrainConfig` and a list of corpora, `RECIPES`) trains in its own process, all at once on one device,
 for the same wall time (`--seconds`, the learning-rate schedule runs on that clock); then each head is measured with
-`dart_hf.tools.eval_head` on the held-out reference texts. Written for one GPU (the recipes share it), and runs
-unchanged on a CPU with tiny settings (how it is tested):
+`dart_hf.tools.eval_head` on the held-out reference texts. Written for one GPU (the recipes share it; each
+process gets its share of the CPU threads); a CPU runs it too, slowly:
 
     dart-hf regenerate --target smollm2-135m-instruct --conversations --out runs/sharegpt-text    # chats as text
     python examples/recipe_comparison.py --target smollm2-135m-instruct --texts runs/recipes/texts.pt \\
