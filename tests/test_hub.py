@@ -27,7 +27,6 @@ from dart_hf.tools.convert import QWEN3_TARGETS
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CARDS = REPO_ROOT / "model_cards"
 CUSTOM_FILES = sorted(hub.custom_generate_sources())
-SHIPPED = CARDS / "smollm2-135m-instruct-dart"
 
 
 @pytest.fixture(scope="module")
@@ -323,11 +322,14 @@ def test_custom_generate_dart_head_overrides_the_location(tmp_path, qwen3_dir, h
         run_without_dart_hf(tmp_path, qwen3_dir, str(code_only))
 
 
-def readme_custom_generate_snippet() -> str:
-    """The code block of the README section that tells users how to run a head without dart_hf."""
+def readme_custom_generate_blocks() -> tuple[str, str]:
+    """(the shell command that generates the copy, the Python snippet that runs it) of the README section that tells
+    users how to run a head without dart_hf."""
     text = (REPO_ROOT / "README.md").read_text()
     section = text[text.index("### Run a head without installing dart_hf"):]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+    section = section[: section.index("\n### ", 1)]
+    command = section.split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    return command, section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 README_SNIPPET_RUNNER = textwrap.dedent(
@@ -351,16 +353,27 @@ README_SNIPPET_RUNNER = textwrap.dedent(
 
 @pytest.mark.slow
 def test_readme_custom_generate_snippet_with_the_shipped_head(tmp_path):
-    """EXACTLY the README's snippet, run from the repo root with dart_hf blocked, on the real SmolLM2 target and the
-    shipped head (node_budget null: the cost model runs from the copy): the output equals plain greedy generate."""
+    """EXACTLY the README's two steps, on the real SmolLM2 target and a copy of the shipped head (node_budget null: the
+    cost model runs from the generated code): the shell command generates `custom_generate/` into the folder, then
+    the snippet runs with dart_hf blocked and its output equals plain greedy generate. The head folder is copied to
+    tmp_path/model_cards/, so the README's relative path holds there and the source tree is never written to."""
     from dart_hf.tools.assets import target_folder
 
-    snippet = readme_custom_generate_snippet()
-    assert 'custom_generate="model_cards/smollm2-135m-instruct-dart"' in snippet
+    command, snippet = readme_custom_generate_blocks()
+    card = "model_cards/smollm2-135m-instruct-dart"
+    assert command == f"python -m dart_hf.tools.hub {card}"
+    assert f'custom_generate="{card}"' in snippet
+    shutil.copytree(REPO_ROOT / card, tmp_path / card, ignore=shutil.ignore_patterns("custom_generate", "*.png"))
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    generated = subprocess.run(
+        [sys.executable, *command.split()[1:]], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))},
+    )
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert (tmp_path / card / "custom_generate" / "generate.py").is_file()
     proc = subprocess.run(
         [sys.executable, "-c", README_SNIPPET_RUNNER, str(target_folder("smollm2-135m-instruct")), snippet],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=900,
-        env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -369,17 +382,11 @@ def test_readme_custom_generate_snippet_with_the_shipped_head(tmp_path):
 
 @pytest.mark.parametrize("card, max_mib", [("smollm2-135m-instruct-dart", 48), ("qwen2.5-coder-0.5b-instruct-dart", 64)])
 def test_shipped_card_folder_is_hub_ready_and_small(card, max_mib):
-    """Every file a Hub repo needs, and a size that stays below what the folder may grow to (the SmolLM2 one ships in
-    the wheel: 41.8 MiB since its draft vocabulary grew to 16,308 rows; 48 leaves room for the card's plots)."""
+    """Every file a Hub repo needs (`custom_generate/` is generated on push, never committed: `.gitignore`), and a
+    size that stays below what the folder may grow to (the SmolLM2 one ships in the wheel: 41.8 MiB since its draft
+    vocabulary grew to 16,308 rows; 48 leaves room for the card's plots)."""
     files = {p.name for p in (CARDS / card).iterdir()}
-    assert {"README.md", "config.json", "model.safetensors", "ngram.safetensors", "custom_generate"} <= files
-    size = sum(p.stat().st_size for p in (CARDS / card).rglob("*") if p.is_file())
+    assert {"README.md", "config.json", "model.safetensors", "ngram.safetensors"} <= files
+    assert hub.push_file_list(CARDS / card)[-len(CUSTOM_FILES):] == CUSTOM_FILES
+    size = sum(p.stat().st_size for p in (CARDS / card).rglob("*") if p.is_file() and "custom_generate" not in p.parts)
     assert size <= max_mib * 2**20, f"{size / 2**20:.1f} MiB"
-
-
-@pytest.mark.parametrize("card", sorted(p.parent.name for p in CARDS.glob("*/custom_generate")))
-def test_shipped_custom_generate_copy_matches_the_package(card):
-    """The committed model_cards/*/custom_generate/ copies are generated: they must not drift from dart_hf."""
-    shipped = {f"custom_generate/{p.name}": p.read_text() for p in (CARDS / card / "custom_generate").glob("*.py")}
-    command = hub.REGENERATE_COMMAND.replace("<head folder>", f"model_cards/{card}")
-    assert shipped == hub.custom_generate_sources(), f"regenerate with: {command}"

@@ -28,10 +28,11 @@ def test_pyproject_lists_every_dart_hf_package():
 RESOLVE = """
 import json, dart_hf
 from dart_hf.tools.assets import shipped_head
+from dart_hf.tools.hub import custom_generate_sources
 head = shipped_head()
 cfg = dart_hf.DartConfig.from_pretrained(head)
 print(json.dumps({"package": dart_hf.__file__, "head": str(head), "model_type": cfg.model_type, "has_ngram": cfg.has_ngram,
-                  "files": sorted(p.name for p in head.iterdir())}))
+                  "files": sorted(p.name for p in head.iterdir()), "custom_generate": sorted(custom_generate_sources())}))
 """
 
 
@@ -56,7 +57,10 @@ def test_wheel_ships_the_head_and_resolves_it(tmp_path):
     assert got["package"] == str(target / "dart_hf" / "__init__.py")  # the wheel, not the source tree
     assert got["head"] == str(installed_head)
     assert got["model_type"] == "dart" and got["has_ngram"] is True
-    assert {"config.json", "model.safetensors", "ngram.safetensors", "custom_generate"} <= set(got["files"])
+    assert {"config.json", "model.safetensors", "ngram.safetensors"} <= set(got["files"])
+    # custom_generate/ is not shipped: the wheel generates it (`python -m dart_hf.tools.hub <head folder>`)
+    assert "custom_generate" not in got["files"] and "custom_generate/generate.py" in got["custom_generate"]
+    assert "custom_generate/loop.py" in got["custom_generate"]
     assert (target / "dart_hf_cli.py").is_file()
 
 

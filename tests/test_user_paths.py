@@ -143,3 +143,30 @@ def test_a_call_changes_the_target_only_while_it_runs(llama, llama_head, mode):
                    dart_mode=mode, streamer=probe)
     assert installed(llama) == before
     assert probe.seen[-1] == ("dart_grouped_sdpa", 3)  # during the call: verify attention and the 3 capture hooks
+
+
+# ------------------------------------------------------------------------------------------ the head
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_a_call_prepares_the_head_once_and_leaves_only_declared_state(llama, mode, monkeypatch):
+    """One preparation per call in both modes (`loop.prepare_call`): the head check and the placement run once; the
+    placement casts the head in place (the README says so); and the only attributes a call sets on the head are the
+    ones `DartHead.__init__` declares (`stats`; `budget_state` stays None with a fixed budget)."""
+    from dart_hf.core import loop
+    from dart_hf.integrations import custom_generate, transformers as routing
+
+    calls = []
+    for name in ("check_head_matches_target", "prepare_head"):
+        for module in (loop, routing, custom_generate):
+            if hasattr(module, name):
+                original = getattr(module, name)
+                monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    head = make_head(llama, node_budget=4).to(torch.bfloat16)
+    declared = dict(vars(head))
+    assert declared["stats"] is None and declared["budget_state"] is None
+    ids = prompts(1, seed=59)[0]
+    out = llama.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=10, dart_mode=mode)
+    assert torch.equal(out, llama.generate(ids, do_sample=False, max_new_tokens=10))
+    assert sorted(calls) == ["check_head_matches_target", "prepare_head"], calls
+    assert next(head.parameters()).dtype == torch.float32  # moved / cast in place, as the README says
+    assert set(vars(head)) == set(declared) and head.stats.mode == mode and head.budget_state is None
+    assert {k: v for k, v in vars(head).items() if k != "stats"} == {k: v for k, v in declared.items() if k != "stats"}

@@ -49,20 +49,22 @@ def dart_decode(
 ):
     """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless).
 
-    dart_head: the draft head (moved once to the target's device and dtype, `target.prepare_head`).
+    dart_head: the draft head (checked and placed by `prepare_call`: moved and cast in place to the target's device
+    and dtype on the first call with that target).
     dart_streamer: a transformers streamer (transformers does not forward `streamer` to custom decoding callables).
     dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
     (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also means "auto").
     dart_prompt_lookup: offer prompt-lookup continuations to the tree search; default: the head's config.
     dart_timing: synchronise CUDA around phases so the phase times are exact.
-    dart_stats: a `DartStats` to fill (default: a new one); `dart_head.stats` points at it afterwards.
+    dart_stats: a `DartStats` to fill (default: a new one); `dart_head.stats` points at it from the start of the call.
     dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware statistics (default: the head's).
     """
-    head = _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
+    _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
+    head, stats = dart_head, prepare_call(dart_head, model, dart_stats)
     cache = _empty_cache(model, model_kwargs)
     use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
     controller, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
-    stats = _start_stats(head, dart_stats, "auto" if controller else "fixed", budget)
+    stats.reset(mode="tree", budget_mode="auto" if controller else "fixed", node_budget=budget)
     timer = PhaseTimer(stats.time, head.device, dart_timing)
     drafter = DartDrafter(head, model, max_length=generation_config.max_length, node_budget=budget,
                           prompt_lookup=use_lookup, eos_token_ids=generation_config._eos_token_tensor)
@@ -108,8 +110,24 @@ def dart_decode(
 
 
 # ------------------------------------------------------------------------------------------------ set-up
+def prepare_call(head: DartHead, model, stats: DartStats | None) -> DartStats:
+    """What every DART `generate` call does once with its head, tree loop and chain mode alike, before drafting:
+    refuse a head built for another target (`check_head_matches_target`), place the head for `model`
+    (`prepare_head`: moved and cast in place on the first call with a target, nothing to do on later calls), and
+    make `stats` (default: a new `DartStats`) the call's, as `head.stats`. Returns the stats; the caller resets them
+    once it knows the mode and node budget."""
+    check_head_matches_target(head, model)
+    prepare_head(head, model)
+    if stats is None:
+        stats = DartStats()
+    elif not isinstance(stats, DartStats):
+        raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
+    head.stats = stats
+    return stats
+
+
 def _check_call(model, head, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
-    """Refuse, with the argument to blame, every call the loop cannot run exactly; place the head."""
+    """Refuse, with the argument to blame, every call the loop cannot run exactly (the head: `prepare_call`)."""
     if not isinstance(head, DartHead):
         raise TypeError(f"dart_decode needs dart_head=<DartHead>, got {type(head).__name__}")
     if model_kwargs.get("synced_gpus"):
@@ -134,8 +152,6 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
             f"max_length {generation_config.max_length} (prompt {input_ids.shape[1]} + new tokens) exceeds the "
             f"target's context of {max_pos} positions"
         )
-    check_head_matches_target(head, model)
-    return prepare_head(head, model)
 
 
 def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
@@ -155,16 +171,6 @@ def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[
     if isinstance(requested, str) or (requested is not None and int(requested) < 1):
         raise ValueError(f'dart_node_budget must be a positive int or "auto", got {requested!r}')
     return None, int(requested) if requested is not None else default_node_budget(head, model)
-
-
-def _start_stats(head: DartHead, stats: DartStats | None, budget_mode: str, budget: int) -> DartStats:
-    if stats is None:
-        stats = DartStats()
-    elif not isinstance(stats, DartStats):
-        raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
-    stats.reset(mode="tree", budget_mode=budget_mode, node_budget=budget)
-    head.stats = stats
-    return stats
 
 
 # ------------------------------------------------------------------------------------------------ the steps

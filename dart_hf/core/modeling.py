@@ -225,7 +225,12 @@ class DartHead(DartPreTrainedModel):
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.ngram = None  # an NGramModel, loaded from ngram.safetensors beside the weights when present
-        self.stats = None  # the latest generate call's DartStats (`dart_hf.core.stats`), set by the decoding loop
+        # what generate calls leave on the head, besides placing it (`target.prepare_head` moves and casts it in
+        # place); the per-call drafting state is the drafter's (`drafter.DartDrafter`), never the head's:
+        self.stats = None  # the latest call's DartStats (`dart_hf.core.stats`), set by `loop.prepare_call`
+        # the cost-aware budget's statistics across calls (`dart_hf.core.budget.BudgetState`), created on first use
+        # by `budget.budget_state(head)`; `generate(..., dart_budget_state=...)` passes another instead
+        self.budget_state = None
         self._bound: TargetModules | None = None  # bind_target's modules, for training and offline use only
         self.post_init()
 

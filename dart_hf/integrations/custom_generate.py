@@ -11,9 +11,9 @@ Where the head is: because transformers runs the cached copy, `__file__` does no
 is where the code came from: the `custom_generate=` argument of the transformers `generate` call that is running this
 function (a local folder, or a Hub repo id whose snapshot holds the weights beside `custom_generate/`), read from
 that call's frame. `dart_head=<folder or repo id>` overrides it. transformers calls
-`generate(model=target, **every generate() argument)`; the head is loaded once per location, cast and placed for
-the target, and the call goes back to `target.generate` with the DART loop as the decoding method, so transformers
-still prepares the generation config, processors and stopping criteria.
+`generate(model=target, **every generate() argument)`; the head is loaded once per location and the call goes back
+to `target.generate` with the DART loop as the decoding method (which checks and places the head, as for any call), so
+transformers still prepares the generation config, processors and stopping criteria.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import sys
 
 from ..core.loop import dart_decode
 from ..core.modeling import DartHead
-from ..core.target import prepare_head
 
 # generate() arguments that say where the code came from; transformers passes them on to this function too
 _HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
@@ -63,5 +62,5 @@ def generate(model, *args, dart_head: str | os.PathLike | None = None, streamer=
             "no DART head location: call target.generate(..., custom_generate=<head folder or repo id>, "
             "trust_remote_code=True), or pass dart_head=<head folder or repo id>"
         )
-    head = prepare_head(load_head(location, **hub_kwargs), model)
+    head = load_head(location, **hub_kwargs)
     return model.generate(*args, custom_generate=dart_decode, dart_head=head, dart_streamer=streamer, **kwargs)

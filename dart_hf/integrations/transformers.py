@@ -31,11 +31,11 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..core.drafter import DartDrafter, default_node_budget, draft_depth
-from ..core.loop import dart_decode
+from ..core.loop import dart_decode, prepare_call
 from ..core.modeling import DartHead
 from ..core.runtime import DartRuntime, dart_runtime
 from ..core.stats import DartStats, PhaseTimer
-from ..core.target import check_head_matches_target, prepare_head
+from ..core.target import check_head_matches_target
 
 MODES = ("tree", "chain")
 
@@ -125,14 +125,13 @@ def _stop_strings_as_criteria(model, kwargs: dict) -> None:
 
 
 def _chain_generate(model, head: DartHead, args, kwargs):
-    """transformers' assisted decoding with the head as chain drafter, inside one runtime for the whole call."""
-    stats = kwargs.pop("dart_stats", None) or DartStats()
-    if not isinstance(stats, DartStats):
-        raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
-    prepare_head(head, model)
+    """transformers' assisted decoding with the head as chain drafter, inside one runtime for the whole call.
+
+    `prepare_call` (the tree loop's, run before transformers sees the head: its own assistant checks would otherwise
+    fail first with misleading advice, e.g. "different tokenizers" for a vocab mismatch) checks and places the head."""
+    stats = prepare_call(head, model, kwargs.pop("dart_stats", None))
     budget = default_node_budget(head, model)
     stats.reset(mode="chain", budget_mode="auto" if head.config.node_budget is None else "fixed", node_budget=budget)
-    head.stats = stats
     with dart_runtime(model, head) as runtime:
         token = _CHAIN_CALL.set(_ChainCall(runtime, stats, budget))
         try:
@@ -150,12 +149,9 @@ def _generate(self, *args, assistant_model=None, **kwargs):
         raise ValueError(f"dart_mode must be one of {MODES}, got {mode!r}")
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant_model=DartHead already selects the decoding loop; drop custom_generate")
-    # up front, in both modes: transformers' own assistant checks (chain mode) would otherwise fail first with
-    # misleading advice (e.g. "different tokenizers" for a vocab mismatch)
-    check_head_matches_target(assistant_model, self)
     if mode == "chain":
         return _chain_generate(self, assistant_model, args, kwargs)
-    _stop_strings_as_criteria(self, kwargs)
+    _stop_strings_as_criteria(self, kwargs)  # tree mode: dart_decode checks and places the head (prepare_call)
     streamer = kwargs.pop("streamer", None)
     return _original_generate(
         self, *args, custom_generate=dart_decode, dart_head=assistant_model, dart_streamer=streamer, **kwargs

@@ -3,7 +3,9 @@
 A head folder on the Hub is self-sufficient in two ways:
 - with dart_hf installed: `AutoModel.from_pretrained(repo)` + `target.generate(..., assistant_model=head)`;
 - without it: `target.generate(..., custom_generate=repo, trust_remote_code=True)` runs `custom_generate/generate.py`
-  (see `custom_generate_sources`). The copy is regenerated on every push so it always matches this dart_hf version.
+  (see `custom_generate_sources`). The copy is generated, never committed: `push_head` uploads a fresh one, the
+  converter writes one, and `python -m dart_hf.tools.hub <head folder>` (`write_custom_generate`) writes one into any
+  folder, so it always matches the dart_hf version that wrote it.
 """
 
 from __future__ import annotations
