@@ -35,6 +35,7 @@ from ..core.loop import dart_decode
 from ..core.modeling import DartHead
 from ..core.runtime import DartRuntime, dart_runtime
 from ..core.stats import DartStats, PhaseTimer
+from ..core.support import check_chain_target, check_tree_target
 from ..core.target import check_head_matches_target, prepare_head
 
 MODES = ("tree", "chain")
@@ -154,7 +155,9 @@ def _generate(self, *args, assistant_model=None, **kwargs):
     # misleading advice (e.g. "different tokenizers" for a vocab mismatch)
     check_head_matches_target(assistant_model, self)
     if mode == "chain":
+        check_chain_target(self)
         return _chain_generate(self, assistant_model, args, kwargs)
+    check_tree_target(self)  # before generate prepares anything
     _stop_strings_as_criteria(self, kwargs)
     streamer = kwargs.pop("streamer", None)
     return _original_generate(
