@@ -23,6 +23,7 @@ from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
+from .support import check_tree_target
 from .target import check_head_matches_target, prepare_head
 from .tree import DraftTree
 from .verify import compact_cache, verify_tree
@@ -132,6 +133,7 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
             f"target's context of {max_pos} positions"
         )
     check_head_matches_target(head, model)
+    check_tree_target(model)
     return prepare_head(head, model)
 
 
@@ -141,6 +143,14 @@ def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
         cache = DynamicCache(config=model.config)
     if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
         raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled or static cache is not supported)")
+    # the verify masks follow the cache's layers (full or sliding window): they must be the target's own
+    expected = [type(layer) for layer in DynamicCache(config=model.config).layers]
+    got = [type(layer) for layer in cache.layers]
+    if got != expected and (got or any(getattr(t, "is_sliding", False) for t in expected)):
+        raise ValueError(
+            "DART decoding needs a cache with this target's layer types (sliding-window layers included): pass "
+            "DynamicCache(config=model.config), or no cache"
+        )
     return cache
 
 
