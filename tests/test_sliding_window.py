@@ -199,8 +199,10 @@ def test_sampling_matches_the_exact_distribution_past_the_window(model_type):
 
 
 def test_a_cache_without_the_sliding_layers_is_refused():
-    """A user's DynamicCache() (no config) holds full layers only: verify masks would miss the window, so refuse."""
+    """A user's cache of full layers only (made for another config): verify masks would miss the window, so refuse."""
     target = sliding_target("mistral")
     head = dart_hf.DartHead.from_target(target, draft_length=3).eval()
+    full = DynamicCache(config=tiny_config("mistral", sliding_window=None, num_hidden_layers=4))
+    assert not any(layer.is_sliding for layer in full.layers)
     with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
-        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=head, max_new_tokens=4, past_key_values=DynamicCache())
+        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=head, max_new_tokens=4, cache=full)
