@@ -325,11 +325,12 @@ def _demo_args(**kw):
         (lambda: demo.run(_demo_args(head="/nonexistent")), "dart-hf demo: error: no such folder: /nonexistent"),
         (lambda: demo.run(_demo_args(target="no-such-target")), "'no-such-target' is neither a known target"),
         (lambda: demo.run(_demo_args(target="/")), "/ is not a model folder: it has no config.json"),
+        (lambda: demo.run(_demo_args(max_new_tokens=0)), "dart-hf demo: error: --max-new-tokens must be at least 1"),
         (lambda: bench.main(argparse.Namespace(synthetic=False, n=0)), "--n must be at least 1"),
         (lambda: pipeline.run(build_parser().parse_args(["train", "--target", "no-such-target", "--out", "unused",
                                                          "--dtype", "float32"])), "dart-hf train: error: "),
     ],
-    ids=["demo_head", "demo_target", "demo_not_a_model", "bench_n0", "train_target"],
+    ids=["demo_head", "demo_target", "demo_not_a_model", "demo_zero_tokens", "bench_n0", "train_target"],
 )
 def test_cli_bad_input_is_an_error_message_not_a_traceback(capsys, run_cli, message):
     assert run_cli() == 2

@@ -161,12 +161,30 @@ class DartConfig(PreTrainedConfig):
 # without importing anything about targets.
 def _rope_parameters(cfg) -> dict:
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3): the head attends globally
-        rope = dict(rope["full_attention"])
+    if "full_attention" in rope or "sliding_attention" in rope:  # per-layer-type RoPE (Gemma 3): the head attends
+        # globally, so it takes the full-attention layers' RoPE, or the first layer type's where those have none
+        per_type = [rope.get("full_attention"), *rope.values()]
+        rope = dict(next((r for r in per_type if isinstance(r, dict)), {}))
     if "rope_theta" not in rope:
         rope["rope_theta"] = float(getattr(cfg, "rope_theta", 10000.0))
     rope.setdefault("rope_type", "default")
     return rope
+
+
+def _intermediate_size(cfg) -> int:
+    """The head's MLP width: the target's dense MLP width (its last layer's where it varies per layer), or, for a
+    target made only of MoE layers, one expert's."""
+    size = getattr(cfg, "intermediate_size", None) or getattr(cfg, "moe_intermediate_size", None)
+    return int(size[-1] if isinstance(size, (list, tuple)) else size)
+
+
+def _last_layer_field(cfg, name: str):
+    """cfg.<name>, or the last decoder layer's where it differs per layer (Gemma 3n / Gemma 4 head dims: the head's
+    own attention layer is sized like the target's last, global-attention layer)."""
+    try:
+        return getattr(cfg, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: a per-layer field
+        return getattr(cfg.per_layer_config[-1], name, None)
 
 
 # what dart_config_for_target reads from a target's config (GPT-2 style configs have no intermediate_size)
@@ -178,20 +196,27 @@ def dart_config_for_target(target, draft_length: int = 7, draft_vocab_size: int 
     if target.config.is_encoder_decoder:
         raise ValueError("DART drafts for decoder-only targets; got an encoder-decoder model")
     cfg = target.config.get_text_config()
-    missing = [f for f in _TARGET_FIELDS if getattr(cfg, f, None) is None]
+    missing = [f for f in _TARGET_FIELDS if getattr(cfg, f, None) is None and not (
+        f == "intermediate_size" and getattr(cfg, "moe_intermediate_size", None))]
     if missing:
         raise ValueError(
             f"cannot size a DART head for a {cfg.model_type!r} target: its config has no {', '.join(missing)}. "
             "DART supports decoder-only causal LMs laid out like Llama / Qwen / Mistral / Gemma"
         )
+    streams = getattr(cfg, "hc_mult", None) or getattr(cfg, "altup_num_inputs", None)
+    if streams:
+        raise ValueError(
+            f"cannot run DART on a {cfg.model_type!r} target: its decoder layers carry {streams} hidden-state streams "
+            "(hyper-connections / AltUp), and a DART head reads one hidden state per layer"
+        )
     n_layers = cfg.num_hidden_layers
     fields = dict(
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
+        intermediate_size=_intermediate_size(cfg),
         num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        num_key_value_heads=_last_layer_field(cfg, "num_key_value_heads") or cfg.num_attention_heads,
+        head_dim=_last_layer_field(cfg, "head_dim") or cfg.hidden_size // cfg.num_attention_heads,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_eps", None) or 1e-6),
         rope_parameters=_rope_parameters(cfg),
         max_position_embeddings=getattr(cfg, "max_position_embeddings", 8192),
         vocab_size=cfg.vocab_size,

@@ -23,6 +23,7 @@ from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
+from .support import check_tree_target
 from .target import cache_kwargs, check_head_matches_target, prepare_head
 from .tree import DraftTree
 from .verify import compact_cache, verify_tree
@@ -152,6 +153,7 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
             f"max_length {generation_config.max_length} (prompt {input_ids.shape[1]} + new tokens) exceeds the "
             f"target's context of {max_pos} positions"
         )
+    check_tree_target(model)
 
 
 def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
@@ -160,6 +162,14 @@ def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
         cache = DynamicCache(config=model.config)
     if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
         raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled or static cache is not supported)")
+    # the verify masks follow the cache's layers (full or sliding window): they must be the target's own
+    expected = [type(layer) for layer in DynamicCache(config=model.config).layers]
+    got = [type(layer) for layer in cache.layers]
+    if got != expected and (got or any(getattr(t, "is_sliding", False) for t in expected)):
+        raise ValueError(
+            "DART decoding needs a cache with this target's layer types (sliding-window layers included): pass "
+            "DynamicCache(config=model.config), or no cache"
+        )
     return cache
 
 

@@ -35,6 +35,7 @@ from ..core.loop import dart_decode, prepare_call
 from ..core.modeling import DartHead
 from ..core.runtime import DartRuntime, dart_runtime
 from ..core.stats import DartStats, PhaseTimer
+from ..core.support import check_chain_target, check_tree_target
 from ..core.target import check_head_matches_target
 
 MODES = ("tree", "chain")
@@ -150,7 +151,9 @@ def _generate(self, *args, assistant_model=None, **kwargs):
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant_model=DartHead already selects the decoding loop; drop custom_generate")
     if mode == "chain":
+        check_chain_target(self)
         return _chain_generate(self, assistant_model, args, kwargs)
+    check_tree_target(self)  # before generate prepares anything
     _stop_strings_as_criteria(self, kwargs)  # tree mode: dart_decode checks and places the head (prepare_call)
     streamer = kwargs.pop("streamer", None)
     return _original_generate(

@@ -36,6 +36,9 @@ def load_target_and_head(target_name: str, head_path, dtype: torch.dtype, **targ
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        print(f"dart-hf demo: error: --max-new-tokens must be at least 1, got {args.max_new_tokens}", file=sys.stderr)
+        return 2
     try:
         target, tokenizer, head = load_target_and_head(args.target, args.head, getattr(torch, args.dtype))
     except (OSError, ValueError) as err:  # unknown target, missing or broken head folder, head for another model

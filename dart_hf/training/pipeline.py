@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from ..core.ngram import NGramModel
 from .data import sharegpt_training_prompts
 from .features import collect_features
 from .ngram_corpus import build_ngram
-from .train import TrainConfig, train_head
+from .train import TrainConfig, anchor_positions, load_training_data, train_head
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
     elif args.num_prompts > 0:
         prompts = sharegpt_training_prompts(args.num_prompts)
         collect_features(target, tokenizer, prompts, features, args.max_new_tokens, args.batch_size)
+    trained = (out / "model.safetensors").exists() and not (out / "checkpoint").exists()
+    try:
+        too_few = None if trained else _too_few_for_one_step(features, cfg, processes.num_processes)
+    except (OSError, ValueError) as err:  # no data where it was asked for
+        too_few = str(err)
+    if too_few:  # said before the n-gram is built (tens of seconds), not after
+        print(f"dart-hf train: error: {too_few}", file=sys.stderr)
+        return 2
     eos = target.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not (out / NGRAM_FILE).exists() and processes.is_main_process:
@@ -82,12 +91,15 @@ def run(args: argparse.Namespace) -> int:
     ngram = NGramModel.load(out / NGRAM_FILE)
     if args.device == "cpu":
         target = target.float()  # train online and evaluate as users run it on CPU (bf16 matmuls are slow there)
-    if (out / "model.safetensors").exists() and not (out / "checkpoint").exists():
+    if trained:
         head = DartHead.from_pretrained(out)
     else:
         head = train_head(target, features, out, cfg, eos_ids=eos_ids, device=args.device,
                           evaluate=_curve_evaluator(target, tokenizer, ngram, args), eval_every=args.eval_every)
     head.ngram = ngram
+    if processes.is_main_process and not head.config.has_ngram:  # train_head saved the head before it had its n-gram
+        head.config.has_ngram = True  # so the saved config says ngram.safetensors belongs to it (loaded with it)
+        head.config.save_pretrained(out)
     if args.eval_n > 0 and processes.is_main_process:
         head = head.to(target.device, target.dtype).eval()
         report = {
@@ -99,6 +111,17 @@ def run(args: argparse.Namespace) -> int:
         for ds, r in report.items():
             print(f"{ds}: mean accepted length {r['mean_accepted_length']:.2f} (lossless: {r['lossless']})")
     return 0
+
+
+def _too_few_for_one_step(data: Path | list[Path], cfg: TrainConfig, processes: int) -> str | None:
+    """The error `train_head` would raise for data that does not fill one optimizer step, with the flags to change."""
+    sequences = [e for e in load_training_data(data) if anchor_positions(e, 1, random.Random(0))]
+    per_step = cfg.batch_size * processes * cfg.grad_accum
+    if sequences and int(cfg.epochs * len(sequences)) < per_step:
+        return (f"{len(sequences)} sequences x {cfg.epochs} epochs do not fill one optimizer step of {cfg.batch_size} "
+                f"x {processes} processes x {cfg.grad_accum} accumulation: lower --train-batch-size (or "
+                "--grad-accum), raise --epochs, or train on more data")
+    return None
 
 
 def _ngram(tokenizer, vocab_size: int, args: argparse.Namespace, data: Path | list[Path]) -> NGramModel:

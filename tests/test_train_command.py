@@ -1,0 +1,66 @@
+"""`dart-hf train` as a newcomer runs it: a corpus too small for one optimizer step is refused before any work (with
+the flags to change), and the head it writes says it has the n-gram it writes beside it (so loading keeps it)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import dart_hf
+from conftest import make_head, make_target, make_word_tokenizer
+from dart_hf.training import pipeline
+from dart_hf.training.corpus import Corpus
+from dart_hf_cli import build_parser
+
+
+def tiny_corpus(folder, n: int) -> str:
+    g = torch.Generator().manual_seed(0)
+    corpus = Corpus(folder, vocab_size=96, eos_ids=[1])
+    corpus.append([{"prompt": torch.randint(5, 96, (6,), generator=g).tolist(),
+                    "response": torch.randint(5, 96, (8,), generator=g).tolist()} for _ in range(n)])
+    return str(folder)
+
+
+def train_args(corpus: str, out, *extra: str):
+    return build_parser().parse_args(["train", "--target", "unused", "--out", str(out), "--dtype", "float32",
+                                      "--corpus", corpus, "--eval-n", "0", *extra])
+
+
+def stub_pipeline(monkeypatch, target, calls: list[str]):
+    """The pipeline around tiny stand-ins: no Hub target, a one-sentence n-gram, a 'training' that saves a fresh
+    head as train_head does (before the n-gram is attached)."""
+    monkeypatch.setattr(pipeline, "load_target", lambda *a, **k: (target, make_word_tokenizer()))
+
+    def ngram(*a, **k):
+        calls.append("ngram")
+        return dart_hf.NGramModel.build([[5, 6, 7, 8]], order=2, vocab_size=96, progress=False)
+
+    def train_head(target, features, out, cfg, **k):
+        calls.append("train")
+        head = make_head(target)
+        head.save_pretrained(out)
+        return head
+
+    monkeypatch.setattr(pipeline, "_ngram", ngram)
+    monkeypatch.setattr(pipeline, "train_head", train_head)
+
+
+def test_too_small_a_corpus_is_refused_before_the_ngram_is_built(tmp_path, monkeypatch, capsys):
+    calls: list[str] = []
+    stub_pipeline(monkeypatch, make_target("llama"), calls)
+    corpus = tiny_corpus(tmp_path / "corpus", 3)
+    assert pipeline.run(train_args(corpus, tmp_path / "head", "--epochs", "1")) == 2
+    err = capsys.readouterr().err
+    assert "3 sequences x 1.0 epochs do not fill one optimizer step" in err and "--train-batch-size" in err
+    assert calls == []  # nothing was built
+    assert pipeline.run(train_args(corpus, tmp_path / "head", "--epochs", "1", "--train-batch-size", "2")) == 0
+    assert calls == ["ngram", "train"]
+
+
+def test_the_trained_head_loads_with_its_ngram(tmp_path, monkeypatch):
+    stub_pipeline(monkeypatch, make_target("llama"), [])
+    corpus = tiny_corpus(tmp_path / "corpus", 8)
+    assert pipeline.run(train_args(corpus, tmp_path / "head")) == 0
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["has_ngram"] is True
+    assert dart_hf.DartHead.from_pretrained(tmp_path / "head").ngram is not None
