@@ -10,15 +10,13 @@ The draft half lives in `drafter.py` (shared with chain mode), every temporary c
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
-from .budget import BudgetController, budget_controller
+from .budget import BudgetPolicy, budget_policy
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .runtime import dart_runtime
@@ -48,18 +46,19 @@ def dart_decode(
 
     dart_head: the draft head (moved once to the target's device and dtype, `target.prepare_head`).
     dart_streamer: a transformers streamer (transformers does not forward `streamer` to custom decoding callables).
-    dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
-    (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also means "auto").
+    dart_node_budget: tree size override: an int (0: plain decoding in this loop), or "auto" for the cost-aware
+    budget chosen step by step (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also
+    means "auto").
     dart_prompt_lookup: offer prompt-lookup continuations to the tree search; default: the head's config.
     dart_timing: synchronise CUDA around phases so the phase times are exact.
     dart_stats: a `DartStats` to fill (default: a new one); `dart_head.stats` points at it afterwards.
-    dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware statistics (default: the head's).
+    dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware policy (default: the head's).
     """
     head = _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
     cache = _empty_cache(model, model_kwargs)
     use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
-    controller, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
-    stats = _start_stats(head, dart_stats, "auto" if controller else "fixed", budget)
+    policy, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
+    stats = _start_stats(head, dart_stats, "auto" if policy else "fixed", budget)
     timer = PhaseTimer(stats.time, head.device, dart_timing)
     drafter = DartDrafter(head, model, max_length=generation_config.max_length, node_budget=budget,
                           prompt_lookup=use_lookup, eos_token_ids=generation_config._eos_token_tensor)
@@ -77,12 +76,11 @@ def dart_decode(
         output.add(processed, raw, n_new)
         _stream(dart_streamer, input_ids, n_new)
         while not finished:
-            step_start = time.perf_counter()
-            if controller is not None:
-                drafter.params.node_budget = controller.next_budget()
-            budget, past_len = drafter.params.node_budget, cache.get_seq_length()
-            tree = drafter.propose(input_ids, generation_config.max_length - input_ids.shape[1] - 1, timer)
-            tree = tree.to(model.device)
+            if policy is not None:
+                budget = policy.next_budget()
+                policy.start()
+            past_len, max_new = cache.get_seq_length(), generation_config.max_length - input_ids.shape[1] - 1
+            tree = drafter.propose(input_ids, max_new, timer, budget).to(model.device)
             with timer.phase("verify"):
                 logits = verify_tree(model, tree, cache, past_len)
                 tree_aux = runtime.take_aux()
@@ -91,16 +89,15 @@ def dart_decode(
                 compact_cache(cache, past_len, acc.path)
                 drafter.advance(tree_aux[:, acc.path.to(tree_aux.device)], acc.tokens)
                 input_ids, n_new, finished = _append(input_ids, acc.tokens, stopping_criteria, acc.scores)
-            if controller is not None:
-                verify_s = timer.last["verify"] if timer.exact else None
-                controller.observe_tree(tree, acc.path, budget, time.perf_counter() - step_start, verify_s)
+            if policy is not None:
+                policy.observe_tree(tree, acc.path, budget)
             stats.record_step(n_new, budget)
             output.add(acc.scores, acc.logits, n_new)
             _stream(dart_streamer, input_ids, n_new)
 
     if dart_streamer is not None:
         dart_streamer.end()
-    stats.node_budget = controller.best() if controller is not None else budget
+    stats.node_budget = policy.choice if policy is not None else budget
     return output.result(input_ids, cache)
 
 
@@ -144,13 +141,13 @@ def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
     return cache
 
 
-def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetController | None, int]:
-    """(the cost-aware controller or None, the first step's node budget)."""
+def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetPolicy | None, int]:
+    """(the cost-aware policy or None, the node budget it starts from or the fixed one)."""
     if requested == "auto" or (requested is None and head.config.node_budget is None):
-        controller = budget_controller(head, model, prompt_lookup=use_lookup, state=state)
-        return controller, controller.max_budget
-    if isinstance(requested, str) or (requested is not None and int(requested) < 1):
-        raise ValueError(f'dart_node_budget must be a positive int or "auto", got {requested!r}')
+        policy = budget_policy(head, model, prompt_lookup=use_lookup, state=state)
+        return policy, policy.choice
+    if isinstance(requested, str) or (requested is not None and int(requested) < 0):
+        raise ValueError(f'dart_node_budget must be an int >= 0 or "auto", got {requested!r}')
     return None, int(requested) if requested is not None else default_node_budget(head, model)
 
 
