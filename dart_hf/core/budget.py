@@ -147,9 +147,9 @@ class BudgetPolicy:
     def tokens_per_second(self) -> np.ndarray:
         return (1.0 + self.expected_accepted()) / self.step_seconds()
 
-    def best(self, drafting_only: bool = False) -> int:
+    def best(self, tps: np.ndarray | None = None, drafting_only: bool = False) -> int:
         """The candidate with the most expected tokens per second (the largest before anything is known)."""
-        tps = self.tokens_per_second()
+        tps = self.tokens_per_second() if tps is None else tps.copy()
         if drafting_only:
             tps[0] = np.nan
         return self.largest if np.all(np.isnan(tps)) else self.candidates[int(np.nanargmax(tps))]
@@ -158,31 +158,24 @@ class BudgetPolicy:
     def next_budget(self) -> int:
         if self.steps < self.knobs.warmup_steps:
             return self.largest
-        if np.isnan(self.step_seconds()[0]):
+        e, t = self.expected_accepted(), self.step_seconds()
+        if np.isnan(t[0]):
             return 0
-        self.choice = self.best()
-        probe = self._probe_candidate()
-        self._probing = probe is not None and self._since_probe * self.knobs.probe_share > self._probe_loss(probe)
+        tps = (1.0 + e) / t
+        self.choice = self.best(tps)
+        if self.choice == 0:
+            probe = self.best(tps, drafting_only=True)
+        else:
+            above = [b for b in self.candidates if b > self.choice]
+            probe = above[0] if self._probe_up and above else 0
+        i = self.candidates.index(probe)
+        loss = t[i] - (1.0 + e[i]) / tps[self.candidates.index(self.choice)]  # seconds beyond the choice's
+        self._probing = self._since_probe * self.knobs.probe_share > (float(loss) if np.isfinite(loss) else 0.0)
         if self._probing:
             self._since_probe = 0.0
             self._probe_up = not self._probe_up
             return probe
         return self.choice
-
-    def _probe_candidate(self) -> int | None:
-        if self.choice == 0:
-            return self.best(drafting_only=True) if len(self.candidates) > 1 else None
-        if self._probe_up:
-            above = [b for b in self.candidates if b > self.choice]
-            return above[0] if above else 0
-        return 0
-
-    def _probe_loss(self, probe: int) -> float:
-        """Expected seconds a probe step costs beyond what the choice takes for the same tokens."""
-        tps = self.tokens_per_second()
-        i, j = self.candidates.index(probe), self.candidates.index(self.choice)
-        loss = self.step_seconds()[i] - (1.0 + self.expected_accepted()[i]) / tps[j]
-        return float(loss) if np.isfinite(loss) else 0.0
 
     def summary(self) -> dict:
         clean = lambda xs: [None if not np.isfinite(x) else round(float(x), 6) for x in xs]
