@@ -175,6 +175,22 @@ def test_when_drafting_does_not_pay_the_policy_decodes_plainly_and_probes_rarely
     assert back < 1000 and policy.choice > 0 and chosen[-100:].count(0) <= 10, back
 
 
+def test_the_same_rule_picks_one_cpu_thread_on_a_busy_machine_and_all_on_a_quiet_one():
+    curve = VerifyCost(SIZES, [0.032, 0.032, 0.036, 0.039, 0.043, 0.047, 0.060, 0.075, 0.090, 0.110, 0.130,
+                               0.155, 0.180, 0.250])
+    clock = FakeClock()
+    policy = BudgetPolicy(curve, BudgetKnobs(half_life=1e9), clock=clock, threads=(2, 1))
+    quiet = lambda b: (0.034 if b == 0 else 0.012 + curve(b + 1)) * (1.6 if policy.threads == 1 else 1.0)
+    increments = 0.8 * 0.6 ** np.arange(96)
+    chosen = simulate(policy, clock, quiet, increments, 400)
+    assert chosen[3:5] == [0, 0] and policy.threads == 2 and policy.choice == best_fixed(curve, increments, 0.012,
+                                                                                          0.034)
+    busy = lambda b: (0.2 if policy.threads == 1 else 1.0) * (0.15 if b == 0 else 0.10 + 2 * curve(b + 1))
+    simulate(policy, clock, busy, increments, 400)
+    assert policy.threads == 1 and policy.choice > 0  # one thread, and there trees pay again
+    assert BudgetPolicy(curve).thread_options == [None]  # by default the threads are left alone
+
+
 def test_fixed_budget_zero_and_the_budget_argument_of_propose():
     """propose(..., node_budget) builds that tree; budget 0 is the root alone (no head forward)."""
     target = make_target("llama")

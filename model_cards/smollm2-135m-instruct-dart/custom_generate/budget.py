@@ -1,34 +1,29 @@
 """Cost-aware node budget: per step, the budget B with the most expected tokens per second,
-
-    (1 + E[accepted | B]) / T(B),
-
-over the candidates {0} + {calibrated tree sizes - 1}, where B = 0 is plain decoding (one target forward of the last
-token: no head forward, no tree search). The knobs are `BudgetKnobs`; the rule is `BudgetPolicy`.
+(1 + E[accepted | B]) / T(B), over {0} + {calibrated tree sizes - 1}. B = 0 is plain decoding (one target forward
+of the last token: no head forward, no tree search). Knobs: `BudgetKnobs`; the rule: `BudgetPolicy`.
 
 E[accepted | B], counterfactually: the tree of budget B' < B is exactly the best B' nodes (by score) of the budget-B
-tree, closed under ancestors because scores fall along every path. If the accepted path's nodes have score ranks
-r_1 < r_2 < ..., budget B' would have accepted #{r_i < B'} draft tokens (exact for greedy, an estimate under
-sampling), so one verified tree informs every smaller budget. Counts are discounted (`half_life` steps).
+tree, closed under ancestors, so if the accepted path's nodes have score ranks r_1 < r_2 < ..., budget B' would have
+accepted #{r_i < B'} draft tokens (exact for greedy, an estimate under sampling). Counts decay (`half_life` steps).
 
-T(B): this run's own wall time of whole steps at B (head + tree search + verify + accept, `clock`), the median of
-the last `window` of them within the last `max_age` steps, so a busy machine shows up in the estimate as it happens
-and a time measured under another load expires. A tree size without such times is priced from the nearest one
-with them through the calibrated verify curve (`dart_hf.core.cost`):
-T(A) + curve(B + 1) - curve(A + 1). That errs on the cheap side on a busy machine (where every difference grows),
-and a budget priced too cheaply is chosen, timed and corrected, while one priced too dearly would never be run.
-Plain decoding costs differently (no head, no search), so it is timed, never priced (with no recent time, it runs
-once). When no tree size has recent times, the older ones stand.
+T(B): this run's own wall time of whole steps at B (`clock`), the median of the last `window` within `max_age`
+steps, so a busy machine shows as it happens and a time measured under another load expires. A tree size without
+such times is priced from the nearest one with them through the verify curve (`dart_hf.core.cost`),
+T(A) + curve(B + 1) - curve(A + 1): cheap rather than dear on a busy machine, and a budget priced too cheaply is
+chosen, timed and corrected. Plain decoding (no head, no search) is timed, never priced; when no tree size has
+recent times, the older ones stand.
 
-Steps that are not the choice, each there to learn something the choice cannot show: the first `warmup_steps` run
-the largest candidate (it informs every smaller one); then plain decoding runs once; then, now and then, a probe:
-alternately plain decoding and the candidate just above the choice (when plain decoding is the choice: the best
-tree). A probe waits until `probe_share` of the time spent at the choice since the last probe exceeds its
-expected loss against the choice, T(p) - (1 + E[accepted | p]) / tps(choice): close alternatives are probed often,
-clearly worse ones rarely, and the choice runs at least once between two probes.
-So when drafting stops paying (a busy CPU), the policy decodes plainly and tries a tree again later.
+Steps that are not the choice, each to learn what the choice cannot show: the first `warmup_steps` run the largest
+candidate (it informs every smaller one); plain decoding runs once; then probes, in turn the candidate above the
+choice and plain decoding (when plain decoding is the choice: the best tree). A probe waits until `probe_share` of
+the time at the choice since the last probe exceeds its expected loss, T(p) - (1 + E[accepted | p]) / tps(choice):
+close alternatives are probed often, clearly worse ones rarely. So when drafting stops paying, decoding goes plain
+and tries a tree again later. On a multi-threaded CPU the same rule picks the steps' thread count too
+(`try_one_thread`): times are kept per (threads, budget) and a third probe runs the choice on the other count (on a
+busy CPU every multi-threaded op waits for its slowest thread, and one thread can be several times faster).
 
-Without a curve (no `dart-hf calibrate` for this target, device, dtype and versions) the candidates are plain
-decoding and one fixed tree size, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
+Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
+decoding and one tree size, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
 """
 
 from __future__ import annotations
@@ -57,6 +52,7 @@ class BudgetKnobs:
     half_life: float = 256.0  # steps; discount of the acceptance counts
     no_curve_budget: int = 3  # the tree size without a calibrated curve, CPU
     no_curve_budget_gpu: int = 31  # ... on other devices (a verify costs about the same up to ~64 tokens)
+    try_one_thread: bool = True  # on a multi-threaded CPU, also time steps on one thread (a busy CPU: much faster)
 
 
 def path_ranks(tree: DraftTree, path: torch.Tensor) -> torch.Tensor:
@@ -75,8 +71,10 @@ class BudgetPolicy:
     """Chooses each step's node budget (see the module docstring). `clock`: seconds, for the step times."""
 
     def __init__(self, curve: VerifyCost | None, knobs: BudgetKnobs | None = None, device_type: str = "cpu",
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, threads: Sequence[int | None] = (None,)):
         self.curve, self.knobs, self.clock = curve, knobs or BudgetKnobs(), clock
+        self.thread_options = list(threads)  # CPU threads per step (None: leave them as they are)
+        self.threads = self.thread_options[0]
         k = self.knobs
         if curve is None:
             trees = [k.no_curve_budget if device_type == "cpu" else k.no_curve_budget_gpu]
@@ -87,13 +85,13 @@ class BudgetPolicy:
         self.decay = 0.5 ** (1.0 / k.half_life)
         self.inc = np.zeros(self.largest + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
         self.obs = np.zeros(self.largest + 1)  # obs[b]: (discounted) steps whose budget was >= b
-        self.times = {b: deque(maxlen=k.window) for b in self.candidates}
+        self.times = {(th, b): deque(maxlen=k.window) for th in self.thread_options for b in self.candidates}
         self.steps = 0
         self.choice = self.largest
         self._started: float | None = None
         self._since_probe = 0.0  # seconds of steps at the choice since the last probe
         self._probing = False
-        self._probe_up = False  # the next probe above the choice (else: plain decoding)
+        self._probe_turn = 0  # which probe comes next: above the choice, plain decoding, the other threads
 
     # -- observing
     def start(self) -> None:
@@ -112,8 +110,8 @@ class BudgetPolicy:
             self.obs *= self.decay
             np.add.at(self.inc, ranks[ranks < b] + 1, 1.0)
             self.obs[1 : b + 1] += 1.0
-        if seconds is not None and budget in self.times:
-            self.times[budget].append((self.steps, seconds))
+        if seconds is not None and (self.threads, budget) in self.times:
+            self.times[(self.threads, budget)].append((self.steps, seconds))
             self._since_probe += 0.0 if self._probing else seconds
 
     def observe_tree(self, tree: DraftTree, path: torch.Tensor, budget: int) -> None:
@@ -126,12 +124,15 @@ class BudgetPolicy:
         out = np.cumsum(rate)[self.candidates]
         return np.where((self.obs[self.candidates] > 0) | (np.array(self.candidates) == 0), out, np.nan)
 
-    def step_seconds(self) -> np.ndarray:
-        """T(B) per candidate: the median of its recent step times, else priced from the nearest tree size with
-        recent times through the curve (nan: nothing to go by; plain decoding is never priced)."""
-        fresh = {b: [s for i, s in t if self.steps - i < self.knobs.max_age] for b, t in self.times.items()}
+    def step_seconds(self, threads=None) -> np.ndarray:
+        """T(B) per candidate (at `threads`, default: the current ones): the median of its recent step times, else
+        priced from the nearest tree size with recent times through the curve (nan: nothing to go by; plain
+        decoding is never priced)."""
+        th = self.threads if threads is None else threads
+        fresh = {b: [s for i, s in self.times[(th, b)] if self.steps - i < self.knobs.max_age]
+                 for b in self.candidates}
         if not any(fresh[b] for b in self.candidates[1:]):  # no recent tree: older times stand
-            fresh.update({b: [s for _, s in self.times[b]] for b in self.candidates[1:]})
+            fresh.update({b: [s for _, s in self.times[(th, b)]] for b in self.candidates[1:]})
         timed = {b: statistics.median(t) for b, t in fresh.items() if t}
         out = np.full(len(self.candidates), np.nan)
         for i, b in enumerate(self.candidates):
@@ -147,42 +148,46 @@ class BudgetPolicy:
     def tokens_per_second(self) -> np.ndarray:
         return (1.0 + self.expected_accepted()) / self.step_seconds()
 
-    def best(self, drafting_only: bool = False) -> int:
+    def best(self, tps: np.ndarray | None = None, drafting_only: bool = False) -> int:
         """The candidate with the most expected tokens per second (the largest before anything is known)."""
-        tps = self.tokens_per_second()
+        tps = self.tokens_per_second() if tps is None else tps.copy()
         if drafting_only:
             tps[0] = np.nan
         return self.largest if np.all(np.isnan(tps)) else self.candidates[int(np.nanargmax(tps))]
 
     # -- choosing
     def next_budget(self) -> int:
+        """The next step's budget; `self.threads`: the CPU threads it runs with."""
         if self.steps < self.knobs.warmup_steps:
             return self.largest
-        if np.isnan(self.step_seconds()[0]):
+        e = self.expected_accepted()
+        t = {th: self.step_seconds(th) for th in self.thread_options}
+        untimed = [th for th in self.thread_options if np.isnan(t[th][0])]
+        if untimed:  # plain decoding is timed once per thread count before anything is chosen
+            self.threads = untimed[0]
             return 0
-        self.choice = self.best()
-        probe = self._probe_candidate()
-        self._probing = probe is not None and self._since_probe * self.knobs.probe_share > self._probe_loss(probe)
+        tps = {th: (1.0 + e) / t[th] for th in self.thread_options}
+        th = max(self.thread_options, key=lambda th: np.nanmax(tps[th]))
+        self.choice, self.threads = self.best(tps[th]), th
+        probe = self._probe(tps[th])
+        i = self.candidates.index(probe[1])
+        loss = t[probe[0]][i] - (1.0 + e[i]) / tps[th][self.candidates.index(self.choice)]  # beyond the choice
+        self._probing = self._since_probe * self.knobs.probe_share > (float(loss) if np.isfinite(loss) else 0.0)
         if self._probing:
             self._since_probe = 0.0
-            self._probe_up = not self._probe_up
-            return probe
+            self._probe_turn += 1
+            self.threads = probe[0]
+            return probe[1]
         return self.choice
 
-    def _probe_candidate(self) -> int | None:
-        if self.choice == 0:
-            return self.best(drafting_only=True) if len(self.candidates) > 1 else None
-        if self._probe_up:
-            above = [b for b in self.candidates if b > self.choice]
-            return above[0] if above else 0
-        return 0
-
-    def _probe_loss(self, probe: int) -> float:
-        """Expected seconds a probe step costs beyond what the choice takes for the same tokens."""
-        tps = self.tokens_per_second()
-        i, j = self.candidates.index(probe), self.candidates.index(self.choice)
-        loss = self.step_seconds()[i] - (1.0 + self.expected_accepted()[i]) / tps[j]
-        return float(loss) if np.isfinite(loss) else 0.0
+    def _probe(self, tps: np.ndarray) -> tuple:
+        """(threads, budget) of the next probe: in turn the candidate above the choice, plain decoding (the best
+        tree when plain decoding is the choice) and the choice with the other thread count."""
+        above = [b for b in self.candidates if b > self.choice]
+        turns = [(self.threads, above[0])] if above and self.choice else []
+        turns.append((self.threads, 0 if self.choice else self.best(tps, drafting_only=True)))
+        turns += [(th, self.choice) for th in self.thread_options if th != self.threads]
+        return turns[self._probe_turn % len(turns)]
 
     def summary(self) -> dict:
         clean = lambda xs: [None if not np.isfinite(x) else round(float(x), 6) for x in xs]
@@ -208,7 +213,9 @@ class BudgetState:
                 warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {key['device_name']}; the node "
                               f"budget chooses between plain decoding and a fixed tree. Run `dart-hf calibrate` "
                               f"once to fit it to this device.", stacklevel=2)
-            self.policies[name] = BudgetPolicy(curve, self.knobs, target.device.type, self.clock)
+            cpu = torch.get_num_threads() if target.device.type == "cpu" else 1
+            threads = (cpu, 1) if cpu > 1 and (self.knobs or BudgetKnobs()).try_one_thread else (None,)
+            self.policies[name] = BudgetPolicy(curve, self.knobs, target.device.type, self.clock, threads)
         return self.policies[name]
 
     def reset(self) -> None:

@@ -10,6 +10,8 @@ The draft half lives in `drafter.py` (shared with chain mode), every temporary c
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
@@ -67,7 +69,8 @@ def dart_decode(
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
-    with dart_runtime(model, head) as runtime:
+    threads = torch.get_num_threads()  # the policy may run steps on fewer CPU threads; restored on exit
+    with dart_runtime(model, head) as runtime, _restore_threads(threads):
         with timer.phase("prefill"):
             raw, processed, first = _prefill(model, input_ids, cache, logits_processor, generation_config.do_sample)
             drafter.advance(runtime.take_aux(), torch.cat([input_ids[:, 1:], first], dim=1))
@@ -78,6 +81,8 @@ def dart_decode(
         while not finished:
             if policy is not None:
                 budget = policy.next_budget()
+                if policy.threads is not None and policy.threads != torch.get_num_threads():
+                    torch.set_num_threads(policy.threads)
                 policy.start()
             past_len, max_new = cache.get_seq_length(), generation_config.max_length - input_ids.shape[1] - 1
             tree = drafter.propose(input_ids, max_new, timer, budget).to(model.device)
@@ -99,6 +104,15 @@ def dart_decode(
         dart_streamer.end()
     stats.node_budget = policy.choice if policy is not None else budget
     return output.result(input_ids, cache)
+
+
+@contextmanager
+def _restore_threads(threads: int):
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------ set-up
