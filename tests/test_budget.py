@@ -5,6 +5,7 @@ state, and lossless auto decoding."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 
@@ -283,6 +284,8 @@ def test_a_measurement_is_written_only_when_it_passes_its_checks(monkeypatch):
     again, _ = calibration.calibrate(target, verbose=False)  # cached: not measured again
     assert len(calls) == 2 and again.seconds == good[0]
     assert calibration.check_curve([1, 2], [0.05, 0.01]) and not calibration.check_curve([1, 2], [0.012, 0.01])
+    busy = {"load_average": [os.cpu_count() + 4.0, 1.0, 1.0]}  # a uniformly busy machine: every time too high
+    assert "busy" in calibration.check_curve([1, 2], [0.012, 0.01], busy)[0]
 
 
 def test_calibrate_writes_the_curve_that_a_later_run_uses(tmp_path, monkeypatch, capsys):

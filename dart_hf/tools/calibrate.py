@@ -3,8 +3,10 @@ reads it (`dart_hf.core.cost`). `generate` never measures: without a curve the c
 plain decoding and one fixed tree size (`dart_hf.core.budget`).
 
 A measurement is a claim about a machine that may have been busy, so it is checked before it is written
-(`check_curve`): the smallest size is timed again at the end and must agree with the start, and no size may cost
-much more than a larger one. A measurement that fails is repeated; if every attempt fails nothing is written.
+(`check_curve`): the smallest size is timed again at the end and must agree with the start, no size may cost much
+more than a larger one, and the load average may not exceed the core count by more than one (a uniformly busy
+machine passes the other checks with every time several times too high). A measurement that fails is repeated; if
+every attempt fails nothing is written.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def synthetic_tree(n: int, device: torch.device, vocab_size: int, max_depth: int
 
 def check_curve(sizes: Sequence[int], seconds: Sequence[float], record: dict | None = None) -> list[str]:
     """Why a measured curve should not be trusted (empty: no reason found): a size that costs more than
-    MONOTONE_FACTOR times a larger one, or the smallest size timed at the start and at the end of the measurement
-    disagreeing by more than START_END_FACTOR (the machine's load changed during it)."""
+    MONOTONE_FACTOR times a larger one, a 1-minute load average above the core count + 1, or the smallest size
+    timed at the start and at the end disagreeing by more than START_END_FACTOR (the load changed during it)."""
     ys = np.asarray(seconds, dtype=float)
     if len(sizes) != len(ys) or len(ys) == 0 or not np.all(np.isfinite(ys)) or np.any(ys <= 0):
         return ["the curve is empty or has non-positive times"]
@@ -64,6 +66,9 @@ def check_curve(sizes: Sequence[int], seconds: Sequence[float], record: dict | N
             j = i + 1 + int(np.argmin(ys[i + 1 :]))
             problems.append(f"{sizes[i]} tokens cost {1e3 * ys[i]:.1f} ms, more than {MONOTONE_FACTOR}x the "
                             f"{1e3 * ys[j]:.1f} ms of {sizes[j]} tokens")
+    load, cores = (record or {}).get("load_average"), os.cpu_count() or 1
+    if load and load[0] > cores + 1:
+        problems.append(f"the machine was busy (load average {load[0]:.1f} on {cores} cores)")
     probe = (record or {}).get("probe")
     if probe:
         start, end = statistics.median(probe["start"]), statistics.median(probe["end"])
