@@ -36,6 +36,12 @@ def _demo(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
 
 
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
 def _bench(sub) -> None:
     p = _command(sub, "bench", "dart_hf.tools.bench:main",
                  "tokens/s of DART vs plain generate, prompt lookup and chain drafting")
@@ -46,7 +52,11 @@ def _bench(sub) -> None:
     p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     p.add_argument("--n", type=int, default=5, help="prompts per data set")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--budget", type=int, default=60, help="fixed node budget of the reference tree method")
+    p.add_argument("--budget", type=int, nargs="+", default=[60],
+                   help="fixed node budget(s) of the fixed-tree methods dart_tree_<budget> (default: 60)")
+    p.add_argument("--runs", type=int, default=1, help="interleaved passes over the prompts (speedup: median, spread)")
+    p.add_argument("--load", type=int, nargs="?", const=_cpu_count(), default=None, metavar="N",
+                   help="run N busy-loop processes beside the methods (bare --load: one per core)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: plain plain_cpu_linears prompt_lookup dart_chain dart_tree_<budget> "
                    "dart_tree_auto dart_tree_auto_no_lookup (plain always runs; plain_cpu_linears only on CPU fp32)")

@@ -4,7 +4,7 @@
 #     bash examples/gpu_check.sh            # results under $OUT (default runs/gpu_check)
 #
 # 1. lossless + cost-aware budget on CUDA with a tiny random target (fp32 and bf16): DART output == generate,
-#    the verify cost curve is measured with CUDA syncs and cached, head.stats reports the chosen budgets (~30 s);
+#    the verify cost curve is calibrated with CUDA syncs and written, head.stats reports the chosen budgets (~30 s);
 # 2. `dart-hf bench --synthetic` with SDPA: a random Qwen3-8B-shaped target in bf16 -> verify cost by tree size,
 #    per-phase DART step times by node budget, head + tree search share of a step (~1-2 min);
 # 3. the same with flex_attention (first call compiles the kernel; ~2-3 min).
@@ -31,7 +31,8 @@ timeout 120 python - > "$OUT/tiny_cuda.txt" 2>&1 <<'EOF'
 import json, os, torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 import dart_hf
-from dart_hf.core import budget as cost_model
+from dart_hf.core.budget import budget_policy
+from dart_hf.tools.calibrate import calibrate
 
 report = {}
 for dtype in (torch.float32, torch.bfloat16):
@@ -43,6 +44,7 @@ for dtype in (torch.float32, torch.bfloat16):
         with torch.no_grad():
             target.lm_head.weight.mul_(8.0)
         head = dart_hf.DartHead.from_target(target, draft_length=4, node_budget=None, tree_top_k=32, beam_width=8).eval()
+    curve, problems = calibrate(target, sizes=(1, 2, 4, 8, 16, 32, 64), repeats=3)
     g = torch.Generator().manual_seed(1)
     equal, budgets = [], []
     for i in range(6):
@@ -52,10 +54,10 @@ for dtype in (torch.float32, torch.bfloat16):
         budgets.append(head.stats["node_budgets"])
         fixed = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=40, dart_node_budget=20)
         equal.append(bool(torch.equal(out, ref)) and bool(torch.equal(fixed, ref)))
-    controller = cost_model.budget_controller(head, target)
+    policy = budget_policy(head, target)
     report[str(dtype)] = {"all_equal": all(equal), "equal": equal, "budgets_first_prompt": budgets[0],
-                          "controller": controller.summary(), "cost_file": controller.cost.path,
-                          "cost_ms": [round(1e3 * s, 3) for s in controller.cost.seconds]}
+                          "policy": policy.summary(), "curve_problems": problems,
+                          "cost_ms": None if curve is None else [round(1e3 * s, 3) for s in curve.seconds]}
 for name, r in report.items():
     print(name, json.dumps(r, default=str))
 # fp32 must be exact; bf16 may differ on near-tied logits (batched vs one-token kernels), reported only

@@ -86,6 +86,34 @@ def test_bench_flags_a_broken_method(tiny, tmp_path, capsys):
     assert "OUTPUT MISMATCH" in capsys.readouterr().err
 
 
+def test_bench_runs_and_competing_load(tiny, tmp_path, monkeypatch):
+    """`runs` repeats the interleaved pass (each run's speedup reported); `load` runs busy loops beside the methods
+    and ends them with the bench."""
+    target, head = tiny
+    started = []
+    real_enter = bench.CompetingLoad.__enter__
+
+    def enter(self):
+        out = real_enter(self)
+        started.extend(self.procs)
+        return out
+
+    monkeypatch.setattr(bench.CompetingLoad, "__enter__", enter)
+    standard = {m.name: m for m in bench.standard_methods(fixed_budget=[2, 5])}
+    methods = [standard[n] for n in ("plain", "dart_tree_2", "dart_tree_5")]
+    results = bench.run_bench(target, head, {"x": prompts(1, seed=4)}, max_new_tokens=4, methods=methods,
+                              out_dir=tmp_path, progress=False, warmup=False, runs=2, load=1)
+    row = results["datasets"]["x"]["dart_tree_5"]
+    assert len(row["speedup_runs"]) == 2 and row["speedup_spread"][0] <= row["speedup_median"]
+    assert results["meta"]["runs"] == 2 and results["meta"]["competing_load"] == 1 and results["all_equal"]
+    assert len(started) == 1 and all(p.poll() is not None for p in started)  # the load ended with the bench
+    md = (tmp_path / "results.md").read_text()
+    assert "2 interleaved runs" in md and "competing load of 1 busy-loop" in md
+    args = parse("--runs", "3", "--load", "--budget", "3", "60")
+    assert args.runs == 3 and args.load >= 1 and args.budget == [3, 60]
+    assert parse().load is None and parse("--load", "4").load == 4
+
+
 def test_bench_needs_plain_first(tiny):
     target, head = tiny
     with pytest.raises(ValueError, match="plain"):

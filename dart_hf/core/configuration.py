@@ -49,8 +49,8 @@ class DartConfig(PreTrainedConfig):
         is the one place they are stated (`dart_hf.core.tree.TreeSearchParams` and the converter read them here):
         per-depth top-k, beam width, number of draft nodes verified per step (root excluded),
         `level_w(d) = (d + 1) ** -level_decay`, `logit_w(d) = logit_decay ** d`, weight (>= 0) of the n-gram
-        log-probability. `node_budget=None` lets the decoder pick the budget from a measured verify-cost curve (see
-        `dart_hf.core.budget`).
+        log-probability. `node_budget=None` lets the decoder pick the budget step by step from its own step times and
+        the calibrated verify-cost curve, plain decoding included (see `dart_hf.core.budget`).
     has_ngram (`bool`, defaults to False):
         Set by `save_pretrained`: the head was saved with `ngram.safetensors` beside it, so loading refuses a copy
         of the folder without that file (rather than silently drafting without n-gram rescoring).

@@ -8,22 +8,25 @@ device, the EOS ids, prompt lookup and the tree-search parameters. The head itse
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers import PreTrainedModel
 
-from .budget import cost_aware_budget
 from .modeling import DartHead, TargetModules
 from .prompt_lookup import lookup_for_tree
 from .stats import PhaseTimer
-from .tree import DraftTree, TreeSearchParams, build_tree
+from .tree import DraftTree, TreeSearchParams, build_tree, root_tree
 
 
 def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
-    """The head config's fixed node budget, or (`node_budget=None`) the cost-aware budget's current best for this
-    target (`dart_hf.core.budget`)."""
+    """One node budget for a whole call (chain mode): the head config's, or for a cost-aware head
+    (`node_budget=None`) the budget policy's current choice, at least one node (`dart_hf.core.budget`)."""
     if head.config.node_budget is not None:
         return head.config.node_budget
-    return cost_aware_budget(head, target)
+    from .budget import budget_policy  # the tree loop asks the policy itself, every step
+
+    return max(1, budget_policy(head, target).choice)
 
 
 def draft_depth(params: TreeSearchParams, max_new: int, num_predictions: int) -> int:
@@ -65,9 +68,16 @@ class DartDrafter:
             aux, tokens = torch.cat([self._aux, aux], dim=1), torch.cat([self._tokens, tokens], dim=1)
         self._aux, self._tokens = aux, tokens
 
-    def propose(self, input_ids: torch.Tensor, max_new: int, timer: PhaseTimer) -> DraftTree:
-        """The draft tree rooted at `input_ids`' last token, at most `max_new` tokens deep (>= 0), on the head's
-        device. The head drafts only as deep as the tree can reach: min(node budget, max_new, K + 1) rows."""
+    def propose(self, input_ids: torch.Tensor, max_new: int, timer: PhaseTimer, node_budget: int | None = None
+                ) -> DraftTree:
+        """The draft tree of `node_budget` nodes (default: the budget this drafter was made with) rooted at
+        `input_ids`' last token, at most `max_new` tokens deep (>= 0), on the head's device. The head drafts only as
+        deep as the tree can reach: min(node budget, max_new, K + 1) rows. Budget 0 is the root alone: no head
+        forward, no search (the target's states wait for the next tree)."""
+        if node_budget is not None and node_budget != self.params.node_budget:
+            self.params = replace(self.params, node_budget=int(node_budget))
+        if self.params.node_budget == 0:
+            return root_tree(input_ids[0, -1], self.device)
         if self._aux is None:
             raise RuntimeError("propose() before advance(): the head has no target states to draft from")
         head, params = self.head, self.params

@@ -10,7 +10,7 @@ The draft half lives in `drafter.py` (shared with chain mode), every temporary c
 
 from __future__ import annotations
 
-import time
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
-from .budget import BudgetController, budget_controller
+from .budget import BudgetPolicy, budget_policy
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .runtime import dart_runtime
@@ -53,19 +53,20 @@ def dart_decode(
     dart_head: the draft head (checked and placed by `prepare_call`: moved and cast in place to the target's device
     and dtype on the first call with that target).
     dart_streamer: a transformers streamer (transformers does not forward `streamer` to custom decoding callables).
-    dart_node_budget: tree size override: an int, or "auto" for the cost-aware budget chosen step by step
-    (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also means "auto").
+    dart_node_budget: tree size override: an int (0: plain decoding in this loop), or "auto" for the cost-aware
+    budget chosen step by step (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also
+    means "auto").
     dart_prompt_lookup: offer prompt-lookup continuations to the tree search; default: the head's config.
     dart_timing: synchronise CUDA around phases so the phase times are exact.
     dart_stats: a `DartStats` to fill (default: a new one); `dart_head.stats` points at it from the start of the call.
-    dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware statistics (default: the head's).
+    dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware policy (default: the head's).
     """
     _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
     head, stats = dart_head, prepare_call(dart_head, model, dart_stats)
     cache = _empty_cache(model, model_kwargs)
     use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
-    controller, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
-    stats.reset(mode="tree", budget_mode="auto" if controller else "fixed", node_budget=budget)
+    policy, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
+    stats.reset(mode="tree", budget_mode="auto" if policy else "fixed", node_budget=budget)
     timer = PhaseTimer(stats.time, head.device, dart_timing)
     drafter = DartDrafter(head, model, max_length=generation_config.max_length, node_budget=budget,
                           prompt_lookup=use_lookup, eos_token_ids=generation_config._eos_token_tensor)
@@ -74,7 +75,8 @@ def dart_decode(
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
-    with dart_runtime(model, head) as runtime:
+    threads = torch.get_num_threads()  # the policy may run steps on fewer CPU threads; restored on exit
+    with dart_runtime(model, head) as runtime, _restore_threads(threads):
         with timer.phase("prefill"):
             raw, processed, first = _prefill(model, input_ids, cache, logits_processor, generation_config.do_sample)
             drafter.advance(runtime.take_aux(), torch.cat([input_ids[:, 1:], first], dim=1))
@@ -83,12 +85,13 @@ def dart_decode(
         output.add(processed, raw, n_new)
         _stream(dart_streamer, input_ids, n_new)
         while not finished:
-            step_start = time.perf_counter()
-            if controller is not None:
-                drafter.params.node_budget = controller.next_budget()
-            budget, past_len = drafter.params.node_budget, cache.get_seq_length()
-            tree = drafter.propose(input_ids, generation_config.max_length - input_ids.shape[1] - 1, timer)
-            tree = tree.to(model.device)
+            if policy is not None:
+                budget = policy.next_budget()
+                if policy.threads is not None and policy.threads != torch.get_num_threads():
+                    torch.set_num_threads(policy.threads)
+                policy.start()
+            past_len, max_new = cache.get_seq_length(), generation_config.max_length - input_ids.shape[1] - 1
+            tree = drafter.propose(input_ids, max_new, timer, budget).to(model.device)
             with timer.phase("verify"):
                 logits = verify_tree(model, tree, cache, past_len)
                 tree_aux = runtime.take_aux()
@@ -97,17 +100,25 @@ def dart_decode(
                 compact_cache(cache, past_len, acc.path)
                 drafter.advance(tree_aux[:, acc.path.to(tree_aux.device)], acc.tokens)
                 input_ids, n_new, finished = _append(input_ids, acc.tokens, stopping_criteria, acc.scores)
-            if controller is not None:
-                verify_s = timer.last["verify"] if timer.exact else None
-                controller.observe_tree(tree, acc.path, budget, time.perf_counter() - step_start, verify_s)
+            if policy is not None:
+                policy.observe_tree(tree, acc.path, budget)
             stats.record_step(n_new, budget)
             output.add(acc.scores, acc.logits, n_new)
             _stream(dart_streamer, input_ids, n_new)
 
     if dart_streamer is not None:
         dart_streamer.end()
-    stats.node_budget = controller.best() if controller is not None else budget
+    stats.node_budget = policy.choice if policy is not None else budget
     return output.result(input_ids, cache)
+
+
+@contextmanager
+def _restore_threads(threads: int):
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------ set-up
@@ -173,13 +184,13 @@ def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
     return cache
 
 
-def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetController | None, int]:
-    """(the cost-aware controller or None, the first step's node budget)."""
+def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetPolicy | None, int]:
+    """(the cost-aware policy or None, the node budget it starts from or the fixed one)."""
     if requested == "auto" or (requested is None and head.config.node_budget is None):
-        controller = budget_controller(head, model, prompt_lookup=use_lookup, state=state)
-        return controller, controller.max_budget
-    if isinstance(requested, str) or (requested is not None and int(requested) < 1):
-        raise ValueError(f'dart_node_budget must be a positive int or "auto", got {requested!r}')
+        policy = budget_policy(head, model, prompt_lookup=use_lookup, state=state)
+        return policy, policy.choice
+    if isinstance(requested, str) or (requested is not None and int(requested) < 0):
+        raise ValueError(f'dart_node_budget must be an int >= 0 or "auto", got {requested!r}')
     return None, int(requested) if requested is not None else default_node_budget(head, model)
 
 

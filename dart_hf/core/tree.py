@@ -52,11 +52,16 @@ class TreeSearchParams:
 
     @classmethod
     def from_config(cls, config, node_budget: int | None = None) -> "TreeSearchParams":
+        """The config's search settings; `node_budget` overrides the config's (needed when that is None: the
+        cost-aware budget, chosen per step by `dart_hf.core.budget`)."""
+        node_budget = config.node_budget if node_budget is None else node_budget
+        if node_budget is None:
+            raise ValueError("node_budget=None (cost-aware) in the config: pass the tree's node budget explicitly")
         return cls(
             search=config.tree_search,
             top_k=config.tree_top_k,
             beam_width=config.beam_width,
-            node_budget=node_budget if node_budget is not None else (config.node_budget or DartConfig.node_budget),
+            node_budget=node_budget,
             level_decay=config.level_decay,
             logit_decay=config.logit_decay,
             ngram_weight=config.ngram_weight,
@@ -112,6 +117,13 @@ class DraftTree:
         idx = torch.arange(self.size, device=self.tokens.device)
         assert bool((self.parents[1:] < idx[1:]).all()), "a parent must precede its child"
         assert bool((self.depths[1:] == self.depths[self.parents[1:]] + 1).all()), "depth must be parent depth + 1"
+
+
+def root_tree(token: torch.Tensor, device: torch.device) -> DraftTree:
+    """The tree of budget 0: the root alone (verifying it is one plain decoding step)."""
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return DraftTree(token.view(1).to(device=device, dtype=torch.long), zero, zero,
+                     torch.ones(1, 1, dtype=torch.bool, device=device), torch.zeros(1, device=device))
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:

@@ -17,7 +17,11 @@ tokens per target forward, counted with a forward hook on the target; plain = 1)
 generate, and for the tree methods where a step's time goes (head forward, tree search, target verify, accept +
 cache bookkeeping).
 Prompts are interleaved (each prompt runs every method before the next prompt) so slow drifts in machine load hit
-all methods alike. Writes results.json, results.md and results.png; the exit status is 3 when any output differs.
+all methods alike; `runs` repeats the whole interleaved pass and reports each run's speedup (median and spread).
+`load` starts that many busy-loop processes (one per core: `--load`) beside the methods for the whole bench, so a
+speedup on a busy machine is a command anyone can rerun. Before any timing (and before the load starts) the target's
+verify-cost curve is loaded or measured and written (`dart_hf.tools.calibrate`; not written when the measurement
+fails its checks). Writes results.json, results.md and results.png; the exit status is 3 when any output differs.
 
 `--synthetic` instead measures, on a CUDA GPU, a random target of Qwen3-8B's shape in bf16: the verify cost by tree
 size and the head + tree-search overhead as a share of a DART step (`examples/gpu_check.sh` runs it).
@@ -28,7 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -62,7 +69,8 @@ class Method:
     cpu_linears_only: bool = False  # run only where `few_row_linears` changes something (fp32 linears on CPU)
 
 
-def standard_methods(fixed_budget: int = 60, lookup_tokens: int = 10) -> list[Method]:
+def standard_methods(fixed_budget: int | list[int] = 60, lookup_tokens: int = 10) -> list[Method]:
+    fixed = [fixed_budget] if isinstance(fixed_budget, int) else list(fixed_budget)
     return [
         Method("plain", "generate", lambda t, h, ids, **kw: t.generate(ids, **kw)),
         Method(MATCHED, "generate, dart_hf's CPU linears", _plain_with_cpu_linears, cpu_linears_only=True),
@@ -70,15 +78,18 @@ def standard_methods(fixed_budget: int = 60, lookup_tokens: int = 10) -> list[Me
                lambda t, h, ids, **kw: t.generate(ids, prompt_lookup_num_tokens=lookup_tokens, **kw)),
         Method("dart_chain", "DART chain (assisted loop)",
                lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_mode="chain", **kw)),
-        Method(f"dart_tree_{fixed_budget}", f"DART tree, budget {fixed_budget}",
-               lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget=fixed_budget, **kw),
-               tree=True),
+        *(_fixed_tree(b) for b in fixed),
         Method("dart_tree_auto", "DART tree, cost-aware budget",
                lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget="auto", **kw), tree=True),
         Method("dart_tree_auto_no_lookup", "DART tree, cost-aware, head only (no prompt lookup)",
                lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget="auto",
                                                   dart_prompt_lookup=False, **kw), tree=True),
     ]
+
+
+def _fixed_tree(budget: int) -> Method:
+    return Method(f"dart_tree_{budget}", f"DART tree, budget {budget}",
+                  lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget=budget, **kw), tree=True)
 
 
 def _plain_with_cpu_linears(target, head, ids, **kwargs):
@@ -124,6 +135,28 @@ class _Tally:
 
 
 # ---------------------------------------------------------------------------------------------------- the bench
+class CompetingLoad:
+    """`processes` busy-loop Python processes (default: one per core) for at most `seconds`, ended on exit: a
+    fixed, reproducible share of the CPU taken away from the methods being timed."""
+
+    def __init__(self, processes: int | None = None, seconds: float = 3600.0):
+        self.processes = (os.cpu_count() or 1) if processes is None else processes
+        self.seconds = seconds
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "CompetingLoad":
+        loop = f"import time\nend = time.time() + {float(self.seconds)}\nwhile time.time() < end:\n    pass\n"
+        self.procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(self.processes)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait()
+        self.procs = []
+
+
 def run_bench(
     target,
     head,
@@ -134,10 +167,13 @@ def run_bench(
     warmup: bool = True,
     progress: bool = True,
     meta: dict | None = None,
+    runs: int = 1,
+    load: int = 0,
 ) -> dict:
-    """Run every method on every prompt; returns (and, with `out_dir`, writes) the results.
+    """Run every method on every prompt, `runs` times; returns (and, with `out_dir`, writes) the results.
 
     `prompts` maps a data set name to `[1, T]` id tensors. The first method must be "plain": the reference.
+    `load`: busy-loop processes running beside the methods (`CompetingLoad`), 0 for none.
     """
     methods = methods if methods is not None else standard_methods()
     if not methods or methods[0].name != "plain":
@@ -149,21 +185,54 @@ def run_bench(
     if getattr(target.generation_config, "pad_token_id", None) is None:
         eos = target.generation_config.eos_token_id
         gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
-    if any(m.name.endswith("_auto") for m in methods):  # measure (or load) the verify cost curve outside timing
-        from ..core.budget import verify_cost
+    curve = None
+    if any(m.name.endswith("_auto") or m.name.endswith("_auto_no_lookup") for m in methods):
+        from .calibrate import calibrate  # the cost-aware budget reads the curve; measure it outside timing
 
-        verify_cost(target)
-    if warmup:
-        first = next(p for ps in prompts.values() for p in ps).to(device)
-        for m in methods:
-            m.run(target, head, first, **{**gen, "max_new_tokens": min(16, max_new_tokens)})
+        curve, _ = calibrate(target, verbose=progress)
+    with CompetingLoad(load) if load else _no_load():
+        if warmup:
+            first = next(p for ps in prompts.values() for p in ps).to(device)
+            for m in methods:
+                m.run(target, head, first, **{**gen, "max_new_tokens": min(16, max_new_tokens)})
+        tallies, mismatches = [], []
+        for run in range(runs):
+            tally, bad = _one_pass(target, head, prompts, methods, gen, progress, f" (run {run + 1}/{runs})"
+                                   if runs > 1 else "")
+            tallies.append(tally)
+            mismatches += [{**m, "run": run} for m in bad] if runs > 1 else bad
+    results = {
+        "meta": {**_environment(target), **(meta or {}), "max_new_tokens": max_new_tokens,
+                 "prompts": {ds: len(ps) for ds, ps in prompts.items()}, "runs": runs, "competing_load": load,
+                 "verify_curve": None if curve is None else curve.path},
+        "methods": {m.name: m.label for m in methods},
+        "datasets": {ds: _summarise([t[ds] for t in tallies], methods) for ds in prompts},
+        "mismatches": mismatches,
+        "all_equal": not mismatches,
+    }
+    if out_dir is not None:
+        write_reports(results, out_dir)
+    return results
 
+
+class _no_load:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _one_pass(target, head, prompts, methods, gen, progress, label) -> tuple[dict, list]:
+    """One interleaved pass over every prompt: (tallies per data set and method, mismatches)."""
+    device = target.device
     counter = ForwardCounter(target)
     tallies = {ds: {m.name: _Tally() for m in methods} for ds in prompts}
     mismatches = []
     try:
         for ds, ds_prompts in prompts.items():
-            for i, ids in enumerate(tqdm(ds_prompts, desc=f"bench {ds}", unit="prompt", disable=not progress)):
+            for i, ids in enumerate(tqdm(ds_prompts, desc=f"bench {ds}{label}", unit="prompt",
+                                         disable=not progress)):
                 ids = ids.to(device)
                 ref = None
                 for m in methods:
@@ -197,33 +266,43 @@ def run_bench(
                     tally.per_prompt.append(row)
     finally:
         counter.remove()
-
-    results = {
-        "meta": {**_environment(target), **(meta or {}), "max_new_tokens": max_new_tokens,
-                 "prompts": {ds: len(ps) for ds, ps in prompts.items()}},
-        "methods": {m.name: m.label for m in methods},
-        "datasets": {ds: _summarise(tallies[ds], methods) for ds in prompts},
-        "mismatches": mismatches,
-        "all_equal": not mismatches,
-    }
-    if out_dir is not None:
-        write_reports(results, out_dir)
-    return results
+    return tallies, mismatches
 
 
-def _summarise(tallies: dict[str, _Tally], methods: list[Method]) -> dict:
+def _summarise(runs: list[dict[str, _Tally]], methods: list[Method]) -> dict:
+    """One row per method over all runs (tokens/s of all runs together), with each run's speedup over plain."""
     def tokens_per_s(t: _Tally) -> float:
         return t.new_tokens / t.seconds if t.seconds else float("nan")
 
+    def merged(name: str) -> _Tally:
+        out = _Tally()
+        for run in runs:
+            t = run[name]
+            out.seconds += t.seconds
+            out.new_tokens += t.new_tokens
+            out.forwards += t.forwards
+            out.steps += t.steps
+            out.mismatches += t.mismatches
+            out.budgets += t.budgets
+            out.per_prompt += t.per_prompt
+            for p in PHASES:
+                out.phases[p] += t.phases[p]
+        return out
+
+    tallies = {m.name: merged(m.name) for m in methods}
     plain_tps = tokens_per_s(tallies["plain"])
     matched_tps = tokens_per_s(tallies[MATCHED]) if MATCHED in tallies else None
     out = {}
     for m in methods:
         t = tallies[m.name]
         tps = tokens_per_s(t)
+        per_run = [tokens_per_s(run[m.name]) / tokens_per_s(run["plain"]) for run in runs]
         row = {
             "tokens_per_s": tps,
             "speedup": tps / plain_tps if plain_tps else float("nan"),
+            "speedup_runs": per_run,
+            "speedup_median": statistics.median(per_run),
+            "speedup_spread": [min(per_run), max(per_run)],
             "accepted_length": t.new_tokens / t.forwards if t.forwards else float("nan"),
             "new_tokens": t.new_tokens,
             "seconds": t.seconds,
@@ -287,6 +366,11 @@ def markdown_report(results: dict) -> str:
         f"transformers {meta.get('transformers')}; {meta.get('date')}.",
         "",
     ]
+    if meta.get("runs", 1) > 1:
+        lines += [f"{meta['runs']} interleaved runs: speedup is the median of the runs' speedups (min-max of the "
+                  "runs in parentheses); tokens/s is over all runs.", ""]
+    if meta.get("competing_load"):
+        lines += [f"Under a competing load of {meta['competing_load']} busy-loop process(es) for the whole bench.", ""]
     for ds, rows in results["datasets"].items():
         matched = MATCHED in rows
         lines += [f"## {ds}", "", "| method | tokens/s | speedup | "
@@ -296,8 +380,12 @@ def markdown_report(results: dict) -> str:
         for name, r in rows.items():
             equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} prompts)**"
             vs_matched = f"{_fmt(r.get('speedup_vs_matched'))}x | " if matched else ""
+            speedup = f"{_fmt(r['speedup'])}x"
+            if len(r.get("speedup_runs", [])) > 1:
+                lo, hi = r["speedup_spread"]
+                speedup = f"{_fmt(r['speedup_median'])}x ({_fmt(lo)}-{_fmt(hi)})"
             lines.append(f"| {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                         f"{_fmt(r['speedup'])}x | {vs_matched}{_fmt(r['accepted_length'])} | {equal} |")
+                         f"{speedup} | {vs_matched}{_fmt(r['accepted_length'])} | {equal} |")
         tree_rows = {n: r for n, r in rows.items() if "phase_share" in r}
         if tree_rows:
             lines += ["", "Where a DART tree step's time goes (share of the average step; prefill excluded):", "",
@@ -406,7 +494,7 @@ def run_synthetic(
     Correct by construction: the cost curve is `cost_model.measure_verify_cost` and the steps are the real tree
     loop (`generate(..., assistant_model=head, dart_timing=True)`); nothing here re-implements decoding.
     """
-    from ..core.budget import DEFAULT_SIZES, measure_verify_cost
+    from .calibrate import DEFAULT_SIZES, measure_verify_cost
     from ..core.modeling import DartHead
     from ..core.ngram import NGramModel
 
@@ -541,9 +629,13 @@ def main(args: argparse.Namespace) -> int:
     prompts = {ds: eval_prompts(tokenizer, ds, args.n) for ds in args.datasets}
     methods = [m for m in standard_methods(fixed_budget=args.budget) if args.methods is None or m.name in
                args.methods or m.name == "plain"]
+    if args.runs < 1 or (args.load is not None and args.load < 0):
+        print("dart-hf bench: error: --runs must be >= 1 and --load >= 0", file=sys.stderr)
+        return 2
     results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
                         out_dir=args.out, warmup=not args.no_warmup,
-                        meta={"head": head_path, "target_name": args.target})
+                        meta={"head": head_path, "target_name": args.target}, runs=args.runs,
+                        load=args.load or 0)
     print(markdown_report(results))
     print(f"\nwrote {Path(args.out) / 'results.json'}, results.md, results.png")
     return exit_status(results)
