@@ -53,7 +53,7 @@ def test_bench_end_to_end_writes_reports(tiny, tmp_path):
             assert r["accepted_length"] >= 1.0 - 1e-9 and len(r["per_prompt"]) == len(data[ds])
         for name in ("dart_tree_60", "dart_tree_auto"):
             assert sum(rows[name]["phase_share"].values()) == pytest.approx(1.0)
-            assert rows[name]["steps"] > 0 and rows[name]["node_budget_mean"] > 0
+            assert rows[name]["steps"] > 0 and rows[name]["node_budget_mean"] >= 0  # auto: 0 = plain decoding steps
         assert rows["dart_tree_60"]["node_budget_counts"] == {"60": rows["dart_tree_60"]["steps"]}
         assert rows["plain_cpu_linears"]["accepted_length"] == 1.0  # plain decoding, other kernels
         for name in names:
