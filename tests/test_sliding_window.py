@@ -124,8 +124,8 @@ def oracle(monkeypatch, plain: torch.Tensor, vocab: int) -> list[int]:
     original = DartDrafter.propose
     depths = iter(list(range(1, 12)) * 10)
 
-    def propose(self, input_ids, max_new, timer):
-        original(self, input_ids, max_new, timer)  # keeps the drafter's own state machine as it is
+    def propose(self, input_ids, max_new, timer, node_budget=None):
+        original(self, input_ids, max_new, timer, node_budget)  # keeps the drafter's own state machine as it is
         n = input_ids.shape[1]
         truth = plain[0, n : n + min(next(depths), max_new)].tolist()
         wrong = [(t + 1 + i) % vocab for i, t in enumerate(truth)]
