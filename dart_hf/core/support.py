@@ -14,6 +14,8 @@ transformers ships, and `tests/test_target_matrix.py` checks that list against r
 
 from __future__ import annotations
 
+from .target import decoder_layers
+
 # Families whose layers carry a recurrent state (some without any sign of it in `layer_types` or in the cache
 # classes transformers builds for them). Model types not named here are caught by the fields and cache layers below.
 RECURRENT_MODEL_TYPES = frozenset({
@@ -77,9 +79,12 @@ def chain_refusal(config) -> str | None:
 
 
 def check_tree_target(target) -> None:
-    """Raise NotImplementedError before any work when tree verification cannot run `target` exactly."""
+    """Raise NotImplementedError before any work when tree verification cannot run `target` exactly (and first the
+    TypeError of a layout DART cannot read at all, in either mode, so tree mode never points to a chain mode that
+    would refuse it too)."""
     reason = tree_refusal(target.config)
     if reason is not None:
+        decoder_layers(target)
         model_type = target.config.get_text_config(decoder=True).model_type
         chain = chain_refusal(target.config)
         alternative = (
