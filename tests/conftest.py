@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
 
 import dart_hf
+from dart_hf.core.target import cache_kwargs
 
 TINY = dict(
     vocab_size=96,
@@ -32,6 +34,14 @@ def make_target(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **overri
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     return model
+
+
+@torch.no_grad()
+def prefilled(target, prefix: torch.Tensor) -> DynamicCache:
+    """A cache holding `prefix`, from one target forward (the state a verify step starts from)."""
+    cache = DynamicCache(config=target.config)
+    target(input_ids=prefix, use_cache=True, **cache_kwargs(target, cache))
+    return cache
 
 
 def make_head(target, seed: int = 1, draft_length: int = 4, **overrides) -> dart_hf.DartHead:

@@ -16,7 +16,7 @@ from dart_hf.tools.eval_head import chain_accepted_length, depth_agreement, eval
 from dart_hf.tools.offline_acceptance import DraftRows, Text
 from dart_hf.training import train as train_module
 from dart_hf.training.corpus import conversation_record, import_conversations, load_corpus
-from dart_hf.training.train import (AnchorCollator, FoldedFc, TrainConfig, anchor_positions, aux_scale,
+from dart_hf.training.train import (AnchorCollator, TrainConfig, anchor_positions, aux_scale,
                                    label_validity, train_head)
 
 

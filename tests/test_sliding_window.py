@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import dart_hf
+from conftest import prefilled
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.runtime import verify_runtime
 from dart_hf.core.tree import DraftTree, ancestor_mask
@@ -55,13 +56,6 @@ def chain_tree(root: int, truth: list[int], wrong: list[int]) -> DraftTree:
     parents_t = torch.tensor(parents)
     return DraftTree(torch.tensor(tokens), parents_t, torch.tensor(depths),
                      ancestor_mask(parents_t, max(depths)), torch.zeros(len(tokens)))
-
-
-@torch.no_grad()
-def prefilled(target, prefix):
-    cache = DynamicCache(config=target.config)
-    target(input_ids=prefix, cache=cache, use_cache=True)
-    return cache
 
 
 # ------------------------------------------------------------------------------------------------ verify + compaction

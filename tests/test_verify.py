@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from conftest import make_target
+from conftest import make_target, prefilled
 from dart_hf.core.runtime import verify_runtime
 from dart_hf.core.tree import TreeSearchParams, build_tree
 from dart_hf.core.verify import compact_cache, tree_attention_mask, verify_tree
@@ -16,13 +15,6 @@ def random_tree(vocab: int, seed: int = 0, budget: int = 14):
     torch.manual_seed(seed)
     return build_tree(torch.randn(4, vocab) * 2, torch.tensor(5), torch.tensor([5]),
                       TreeSearchParams(top_k=4, beam_width=3, node_budget=budget))
-
-
-@torch.no_grad()
-def prefilled(target, prefix):
-    cache = DynamicCache(config=target.config)
-    target(input_ids=prefix, cache=cache, use_cache=True)
-    return cache
 
 
 @torch.no_grad()

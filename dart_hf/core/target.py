@@ -8,7 +8,7 @@ garbage from the wrong layers.
 from __future__ import annotations
 
 import inspect
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 from torch import nn
@@ -17,11 +17,17 @@ from transformers import PreTrainedModel
 from .configuration import check_config_matches_target, dart_config_for_target  # noqa: F401 (re-exported)
 
 
-def cache_kwargs(model: PreTrainedModel, cache) -> dict:
+def cache_kwargs(model: nn.Module, cache) -> dict:
     """`{name: cache}` for this model's forward: transformers 5.24 renamed `past_key_values` to `cache` (the old
     name is still accepted with a warning until 5.40), while earlier 5.x releases take only `past_key_values` and
     swallow an unknown `cache=` in `**kwargs`, which would run the target WITHOUT its KV cache."""
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    return {_cache_parameter(type(model)): cache}
+
+
+@lru_cache(maxsize=None)
+def _cache_parameter(model_class: type) -> str:
+    """Read once per model class (every verify step asks): the class's forward, not an instance's hook wrapper."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:

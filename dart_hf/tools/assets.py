@@ -225,7 +225,8 @@ def convert_target(name: str, destination: Path, gguf_path: Path | None = None) 
     stages = tqdm(total=6, desc=f"converting {name}", unit="stage")
     try:
         stages.set_postfix_str("installing packages")
-        pieces = [Path(gguf_path)] if gguf_path is not None else [packaged_file(part) for part in spec.parts]
+        pieces = ([Path(gguf_path).resolve()] if gguf_path is not None
+                  else [packaged_file(part) for part in spec.parts])
         stages.update()
         stages.set_postfix_str("assembling GGUF")
         gguf_path = assemble_gguf(pieces, work / "gguf" / spec.gguf_name)

@@ -56,6 +56,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence as SequenceOf
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -278,23 +279,23 @@ def aux_scale(target: PreTrainedModel, layer_ids: list[int], data: SequenceOf[Se
     return aux[rows].float().pow(2).mean(0).sqrt().clamp(min=1e-6)
 
 
-class FoldedFc:
-    """Within the block, `head.fc` holds the weight for RAW captured inputs (the saved format); outside, the weight
-    for inputs divided by `scale`, which is what training updates. No-op without a scale."""
+@torch.no_grad()
+def rescale_fc(head: DartHead, scale: torch.Tensor | None, fold: bool) -> None:
+    """Move `head.fc` between the weight for RAW captured inputs (`fold=True`: the saved format) and the weight for
+    inputs divided by `scale` (`fold=False`: what training updates). No-op without a scale."""
+    if scale is not None:
+        weight = head.fc.weight
+        weight.div_(scale.to(weight)) if fold else weight.mul_(scale.to(weight))
 
-    def __init__(self, head: DartHead, scale: torch.Tensor | None):
-        self.head, self.scale = head, scale
 
-    def __enter__(self):
-        if self.scale is not None:
-            with torch.no_grad():
-                self.head.fc.weight.div_(self.scale.to(self.head.fc.weight))
-        return self.head
-
-    def __exit__(self, *exc):
-        if self.scale is not None:
-            with torch.no_grad():
-                self.head.fc.weight.mul_(self.scale.to(self.head.fc.weight))
+@contextmanager
+def folded_fc(head: DartHead, scale: torch.Tensor | None):
+    """Within the block, `head.fc` reads raw captured inputs (saving, evaluating); training's weight after it."""
+    rescale_fc(head, scale, fold=True)
+    try:
+        yield head
+    finally:
+        rescale_fc(head, scale, fold=False)
 
 
 class AnchorCollator:
@@ -536,8 +537,7 @@ def train_head(
             raise ValueError("standardize_aux reads the target's features: use a token corpus")
         scale = state["aux_scale"].to(accelerator.device) if state is not None else aux_scale(
             target, layer_ids, data, accelerator.device)
-        with torch.no_grad():
-            head.fc.weight.mul_(scale.to(head.fc.weight))  # the saved weight reads raw inputs: unfold it
+        rescale_fc(head, scale, fold=False)  # the saved weight reads raw inputs: unfold it
     params = [p for p in head.parameters() if p.requires_grad]
     cache = None
     if cfg.cache_features:
@@ -570,7 +570,7 @@ def train_head(
             return
         if main:
             head.eval()
-            with torch.no_grad(), FoldedFc(head, scale):
+            with torch.no_grad(), folded_fc(head, scale):
                 evaluations.append({"step": step, "tokens": tokens, "accepted_length": evaluate(head)})
             head.train()
             tqdm.write(f"step {step}, {tokens} tokens: accepted length {evaluations[-1]['accepted_length']}")
@@ -643,14 +643,14 @@ def train_head(
             if step % cfg.save_every == 0 or last:
                 accelerator.wait_for_everyone()
                 if main:
-                    with FoldedFc(head, scale):
+                    with folded_fc(head, scale):
                         _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens, elapsed(), scale)
                 accelerator.wait_for_everyone()
     if cfg.max_seconds and step < total_steps:  # stopped by the time budget: the evaluation below is the last one
         total_steps = step
     maybe_evaluate()
     head.eval()
-    FoldedFc(head, scale).__enter__()  # from here on the head reads raw inputs, as saved
+    rescale_fc(head, scale, fold=True)  # from here on the head reads raw inputs, as saved
     if main:
         head.save_pretrained(out)
         (out / "training_history.json").write_text(
