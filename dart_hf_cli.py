@@ -140,10 +140,9 @@ def _train(sub) -> None:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--anchors", type=int, default=48, help="anchor positions trained per sequence (0: every position)")
-    p.add_argument("--standardize-aux", action="store_true",
-                   help="train fc on the captured layers scaled to unit RMS per dimension (folded into the saved weight)")
-    p.add_argument("--slot-content", action="store_true",
-                   help="MASK slots read the last real row (DartConfig.mask_slot_content; added to an --init head too)")
+    p.add_argument("--init-layer-from-target", action="store_true",
+                   help="a new head's layer starts as the target's last decoder layer (MLP, o_proj, norms; q/k/v on "
+                   "the feature half) instead of a random init")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="a training time budget: the learning-rate schedule runs on this clock and training stops there")
     p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="bf16 autocast for the head (GPU)")

@@ -36,16 +36,16 @@ from dart_hf.training.train import TrainConfig, train_head
 BASE = TrainConfig(draft_vocab_size=16384, anchors_per_sequence=48, lr=1e-3, warmup_steps=50, epochs=50.0,
                    log_every=20, save_every=100_000)
 RECIPES = {
-    # today's recipe: regenerated answers only, 48 random anchors per sequence, raw captured inputs
+    # today's recipe: regenerated answers only, 48 random anchors per sequence
     "base": (BASE, False),
+    # + the layer started from the target's last decoder layer
+    "base_layer": (replace(BASE, init_layer_from_target=True), False),
     # + the ShareGPT chats as text (agreement-masked labels) and every position of every sequence
     "text_all": (replace(BASE, anchors_per_sequence=0), True),
-    # + captured-layer inputs standardised per dimension
-    "text_all_std": (replace(BASE, anchors_per_sequence=0, standardize_aux=True), True),
-    # + MASK slots that read the last real row
-    "text_all_std_slots": (replace(BASE, anchors_per_sequence=0, standardize_aux=True, mask_slot_content=True), True),
-    # MASK slots alone on the text data
-    "text_all_slots": (replace(BASE, anchors_per_sequence=0, mask_slot_content=True), True),
+    # text, every position, the layer from the target's
+    "text_all_layer": (replace(BASE, anchors_per_sequence=0, init_layer_from_target=True), True),
+    # text, every position, no draft vocabulary of its own: the target's full, frozen lm_head (EAGLE-1's choice)
+    "text_all_tied": (replace(BASE, anchors_per_sequence=0, draft_vocab_size=None), True),
 }
 
 

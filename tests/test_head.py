@@ -172,12 +172,11 @@ def test_draft_vocab_maps_back_to_target_ids(llama):
 
 # ---------------------------------------------------------------------------------------------- KV cache
 @pytest.mark.parametrize(
-    "arch, chunks, slots", [("llama", [5, 1, 3], False), ("llama", [1] * 9, False), ("llama", [2, 7], False),
-                            ("qwen3", [5, 1, 3], False), ("llama", [5, 1, 3], True)]
+    "arch, chunks", [("llama", [5, 1, 3]), ("llama", [1] * 9), ("llama", [2, 7]), ("qwen3", [5, 1, 3])]
 )
-def test_draft_in_chunks_equals_one_call(arch, chunks, slots):
+def test_draft_in_chunks_equals_one_call(arch, chunks):
     target = make_target(arch)
-    head = scramble(make_head(target, draft_length=K, mask_slot_content=slots))
+    head = scramble(make_head(target, draft_length=K))
     head.bind_target(target)
     aux, nxt = head_inputs(target, head, length=sum(chunks))
     cache = head.new_cache(capacity=2)  # small: the chunks also make the cache grow
@@ -209,14 +208,13 @@ def test_a_shallower_draft_is_the_top_rows_of_the_full_one():
 
 
 # ---------------------------------------------------------------------------------------------- training forward
-@pytest.mark.parametrize("arch, vocab", [("llama", "tied"), ("qwen3", "tied"), ("llama", "draft_vocab"),
-                                         ("llama", "slot_content")])
+@pytest.mark.parametrize("arch, vocab", [("llama", "tied"), ("qwen3", "tied"), ("llama", "draft_vocab")])
 def test_training_forward_equals_draft_per_anchor(arch, vocab):
     target = make_target(arch)
     if vocab == "draft_vocab":
         head = reduced_head(target)
     else:
-        head = make_head(target, draft_length=K, mask_slot_content=vocab == "slot_content")
+        head = make_head(target, draft_length=K)
     scramble(head)
     head.bind_target(target)
     length = 11
@@ -230,26 +228,6 @@ def test_training_forward_equals_draft_per_anchor(arch, vocab):
         for i, a in enumerate(anchors[b].tolist()):
             ref = fresh_draft(head, aux[b : b + 1, : a + 1], nxt[b : b + 1, : a + 1])
             torch.testing.assert_close(packed[b, i].float(), ref, atol=1e-4, rtol=1e-4, msg=f"row {b} anchor {a}")
-
-
-def test_slot_content_starts_as_the_reference_layer_and_then_reads_the_last_real_row():
-    """A fresh `slot_proj` is zero, so a slot-content head drafts exactly as the same weights without it; once it
-    is non-zero, the MASK rows (depths >= 1) depend on the last real row's input, and depth 0 never does."""
-    target = make_target("llama")
-    plain = scramble(make_head(target, draft_length=K))
-    slotted = make_head(target, draft_length=K, mask_slot_content=True)
-    assert not slotted.midlayer.slot_proj.weight.any()
-    missing = slotted.load_state_dict(plain.state_dict(), strict=False).missing_keys
-    assert missing == ["midlayer.slot_proj.weight"]
-    for head in (plain, slotted):
-        head.bind_target(target)
-    aux, nxt = head_inputs(target, plain, length=8)
-    torch.testing.assert_close(fresh_draft(slotted, aux, nxt), fresh_draft(plain, aux, nxt))
-    with torch.no_grad():
-        slotted.midlayer.slot_proj.weight.normal_(0, 0.2)
-    moved = fresh_draft(slotted, aux, nxt)
-    torch.testing.assert_close(moved[0], fresh_draft(plain, aux, nxt)[0])
-    assert not torch.allclose(moved[1:], fresh_draft(plain, aux, nxt)[1:], atol=1e-3)
 
 
 def test_packed_anchor_mask_small_case():

@@ -16,7 +16,7 @@ from dart_hf.tools.eval_head import chain_accepted_length, depth_agreement, eval
 from dart_hf.tools.offline_acceptance import DraftRows, Text
 from dart_hf.training import train as train_module
 from dart_hf.training.corpus import conversation_record, import_conversations, load_corpus
-from dart_hf.training.train import (AnchorCollator, TrainConfig, anchor_positions, aux_scale,
+from dart_hf.training.train import (AnchorCollator, TrainConfig, anchor_positions,
                                    label_validity, train_head)
 
 
@@ -71,30 +71,21 @@ def test_a_deeper_label_is_kept_only_where_the_text_agrees_with_the_target_befor
     assert label_validity(valid, position, ids, mask, agrees).tolist() == [[[True, False, True]]]
 
 
-def test_standardised_inputs_fold_into_the_saved_weight_and_resume(tiny, tmp_path, monkeypatch):
+def test_a_chat_text_head_trains_on_every_position_from_the_target_layer_and_resumes(tiny, tmp_path):
     target, tok = tiny
     import_conversations(tok, chats(24), tmp_path / "c", 112, [1])
     cfg = TrainConfig(draft_length=3, draft_vocab_size=None, epochs=2, lr=3e-3, batch_size=4, warmup_steps=2,
-                      anchors_per_sequence=0, standardize_aux=True, mask_slot_content=True, log_every=2, save_every=4)
+                      anchors_per_sequence=0, init_layer_from_target=True, log_every=2, save_every=4)
     head = train_head(target, tmp_path / "c", tmp_path / "head", cfg, eos_ids=[1], device="cpu")
-    saved = DartHead.from_pretrained(tmp_path / "head").eval()
-    assert saved.config.mask_slot_content and saved.midlayer.slot_proj.weight.abs().sum() > 0
-    scale = aux_scale(target, list(saved.config.aux_layer_ids), load_corpus(tmp_path / "c"), "cpu")
-    assert scale.max() / scale.min() > 1.5  # the inputs really are rescaled, so a missing fold would show
-    seq = load_corpus(tmp_path / "c")[0]
-    aux = torch.randn(1, seq.ids.numel() - 1, 3 * 64) * scale
-    saved.bind_target(target)
-    raw = saved.draft(aux, seq.ids[1:].unsqueeze(0), saved.new_cache())
-    with torch.no_grad():
-        saved.fc.weight.mul_(scale)  # the weight training updates reads inputs divided by the scale
-        scaled = saved.draft(aux / scale, seq.ids[1:].unsqueeze(0), saved.new_cache())
-    torch.testing.assert_close(raw, scaled, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(head.fc.weight, DartHead.from_pretrained(tmp_path / "head").fc.weight)
-    # resuming a checkpoint trained with the scale under the other setting is refused, not silently mixed
-    (tmp_path / "head" / "model.safetensors").unlink()
-    with pytest.raises(ValueError, match="standardize_aux"):
-        train_head(target, tmp_path / "c", tmp_path / "head", TrainConfig(**{**cfg.__dict__, "standardize_aux": False,
-                                                                           "epochs": 3}), eos_ids=[1], device="cpu")
+    saved = DartHead.from_pretrained(tmp_path / "head")
+    torch.testing.assert_close(head.fc.weight, saved.fc.weight)
+    last = target.get_decoder().layers[-1].mlp.down_proj.weight
+    assert not torch.equal(saved.midlayer.mlp.down_proj.weight, last)  # trained away from the copy it started as
+    steps = json.loads((tmp_path / "head" / "training_history.json").read_text())["history"]
+    train_head(target, tmp_path / "c", tmp_path / "head", TrainConfig(**{**cfg.__dict__, "epochs": 3}), eos_ids=[1],
+               device="cpu")
+    resumed = json.loads((tmp_path / "head" / "training_history.json").read_text())["history"]
+    assert resumed[: len(steps)] == steps and resumed[-1]["step"] > steps[-1]["step"]  # continued, not restarted
 
 
 def test_a_time_budget_stops_training_and_runs_the_schedule_on_that_clock(tiny, tmp_path, monkeypatch):
@@ -150,3 +141,29 @@ def test_eval_head_end_to_end_on_a_tiny_target(tiny):
     assert len(entry["top1"]) == 4 and entry["tree"]["1"] >= 1.0 and entry["tree"]["4"] >= entry["tree"]["1"] - 1e-9
     assert entry["tree"]["1"] == pytest.approx(1 + entry["top1"][0], abs=0.35)  # budget 1 accepts the depth-0 hits
     assert "| head |" in format_table({"h": report}, [1, 4])
+
+
+def test_a_head_can_start_from_the_target_last_layer(tiny):
+    from dart_hf.training.train import copy_target_layer, new_head
+
+    target, _ = tiny
+    cfg = TrainConfig(draft_length=3, draft_vocab_size=None, init_layer_from_target=True)
+    head = new_head(target, [], cfg, eos_ids=[1])
+    theirs, mine, h = target.get_decoder().layers[-1], head.midlayer, head.config.hidden_size
+    assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+    assert torch.equal(mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight)
+    assert torch.equal(mine.hidden_norm.weight, theirs.input_layernorm.weight)
+    assert torch.equal(mine.self_attn.q_proj.weight[:, h:], theirs.self_attn.q_proj.weight)  # the feature half
+    assert not torch.equal(mine.self_attn.q_proj.weight[:, :h], theirs.self_attn.q_proj.weight)  # embedding half: fresh
+    fresh = new_head(target, [], TrainConfig(draft_length=3, draft_vocab_size=None), eos_ids=[1])
+    assert not torch.equal(fresh.midlayer.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+    narrow = DartHead.from_target(target, draft_length=3, intermediate_size=8)
+    with pytest.raises(ValueError, match="differ in shape"):
+        copy_target_layer(narrow, target)
+
+
+def test_a_new_head_asks_for_the_cost_aware_budget(tiny):
+    from dart_hf.training.train import new_head
+
+    target, _ = tiny
+    assert new_head(target, [], TrainConfig(draft_length=3, draft_vocab_size=None), eos_ids=[1]).config.node_budget is None

@@ -59,12 +59,6 @@ class DartConfig(PreTrainedConfig):
         `lookup_max_ngram` down to `lookup_min_ngram`) as one more beam-search candidate per depth, scored as if the
         head gave it log-probability `lookup_logp` (see `dart_hf.core.prompt_lookup`; beyond the reference, so a
         converted reference head has `prompt_lookup=False`).
-    mask_slot_content (`bool`, defaults to False):
-        Beyond the reference layout: each MASK slot's input is `mask_rep` plus `slot_proj` (a learned 2*hidden
-        square map, zero-initialised) of the last real row's attention input, so the slots' queries carry the
-        content of the bonus token and the fused target state. Why: with `mask_rep` alone every slot asks the same
-        question, so from the second drafted token on the head cannot look up "what followed this token earlier"
-        (copying), which is where prompt lookup beats it. Reference heads have it off (same keys, same outputs).
     rope_parameters (`dict`, *optional*):
         transformers' RoPE parameters. `"dynamic"` follows the reference head rather than transformers: the
         frequencies are those of a sequence of max(max_position_embeddings + 20, positions seen) tokens, i.e. scaled
@@ -94,7 +88,6 @@ class DartConfig(PreTrainedConfig):
     target_model_type: str | None = None
     aux_layer_ids: list[int] | None = None
     final_norm_repeats: int = 1
-    mask_slot_content: bool = False
 
     tree_search: str = "beam"
     tree_top_k: int = 25

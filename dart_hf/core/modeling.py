@@ -6,7 +6,6 @@ Data flow of a decoding step (docs/DART_SPEC.md §1):
     fc_out = fc(aux)                                          residual stream of real rows
     real_in = cat(input_layernorm(embed(next_token)), hidden_norm(fc_out))
     mask_in = mask_rep  (K copies)                            residual of MASK rows is mask_rep[:hidden]
-              (+ slot_proj(last real row's input) with `mask_slot_content`)
     attention over [cached real | new real | K MASK] with RoPE at past_len + arange(r + K), causal
     keep rows [last real, MASK_1..MASK_K] -> MLP -> norm -> lm_head      = K + 1 draft distributions
 
@@ -121,8 +120,6 @@ class DartMidLayer(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.mask_rep = nn.Parameter(torch.zeros(2 * h))
-        # zero-initialised: a fresh slot_proj leaves the reference behaviour, training moves it off zero
-        self.slot_proj = nn.Linear(2 * h, 2 * h, bias=False) if config.mask_slot_content else None
         self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -188,8 +185,6 @@ class DartPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)  # Linear, RMSNorm and the rotary buffers
         if isinstance(module, DartMidLayer):
             nn.init.normal_(module.mask_rep, mean=0.0, std=self.config.initializer_range)
-            if module.slot_proj is not None:
-                nn.init.zeros_(module.slot_proj.weight)
 
 
 def _refuse_missing_local_folder(path) -> None:
@@ -351,15 +346,9 @@ class DartHead(DartPreTrainedModel):
 
     def _mask_inputs(self, last_real: torch.Tensor, count: int):
         """(attention input, residual) of `count` MASK slots after each row of `last_real` [B, R, 2H] (the real
-        row each block of slots follows): [B, R * count, ...]. `mask_rep` alone for reference heads; with
-        `mask_slot_content`, plus `slot_proj(last_real)` (the same for every slot of a block)."""
-        layer = self.midlayer
+        row each block of slots follows): [B, R * count, ...], every slot the same learned `mask_rep`."""
         b, r, width = last_real.shape
-        if layer.slot_proj is None:
-            x = layer.mask_rep.to(last_real.dtype).expand(b, r * count, width)
-        else:
-            x = (layer.mask_rep + layer.slot_proj(last_real)).unsqueeze(2).expand(b, r, count, width)
-            x = x.reshape(b, r * count, width)
+        x = self.midlayer.mask_rep.to(last_real.dtype).expand(b, r * count, width)
         return x, x[..., : self.config.hidden_size]
 
     def _mlp_out(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

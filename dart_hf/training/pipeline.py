@@ -49,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
             save_every=args.save_every,
             cache_features=args.cache_features,
             group_by_length=args.group_by_length,
-            standardize_aux=args.standardize_aux,
-            mask_slot_content=args.slot_content,
+            init_layer_from_target=args.init_layer_from_target,
             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
             mixed_precision=args.mixed_precision,
         )

@@ -56,7 +56,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence as SequenceOf
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -100,8 +99,7 @@ class TrainConfig:
     log_every: int = 20
     save_every: int = 200
     max_seconds: float | None = None  # a time budget: the schedule runs on elapsed time and training stops there
-    standardize_aux: bool = False  # train fc on captured-layer inputs scaled to unit RMS per dimension (folded at save)
-    mask_slot_content: bool = False  # a fresh head's MASK slots read the last real row (DartConfig.mask_slot_content)
+    init_layer_from_target: bool = False  # a fresh head's layer starts as a copy of the target's last decoder layer
     mixed_precision: str = "no"  # "bf16": the head's forward under bf16 autocast (accelerate); losses stay fp32
 
     def __post_init__(self) -> None:
@@ -189,16 +187,33 @@ def widen_draft_vocab(head: DartHead, target: PreTrainedModel, examples: Sequenc
     return wide
 
 
-def with_slot_content(head: DartHead) -> DartHead:
-    """`head` with `mask_slot_content` turned on: the same weights and a zero `slot_proj`, so it drafts exactly as
-    before until training moves `slot_proj` (a fine-tune can add the lever to a trained head)."""
-    config = head.config.__class__.from_dict({**head.config.to_dict(), "mask_slot_content": True})
-    slotted = DartHead(config).to(device=head.fc.weight.device, dtype=head.fc.weight.dtype)
-    missing = slotted.load_state_dict(head.state_dict(), strict=False).missing_keys
-    if missing != ["midlayer.slot_proj.weight"]:
-        raise RuntimeError(f"adding slot_proj lost weights: {missing}")
-    slotted.ngram = head.ngram
-    return slotted
+def copy_target_layer(head: DartHead, target: PreTrainedModel) -> None:
+    """Start the head's layer from the target's last decoder layer: MLP, o_proj and norms as they are, and q/k/v
+    on the feature half of the head's 2*hidden input (the half that carries the fused target state; the embedding
+    half keeps its fresh init). Why: that layer already maps states of this residual stream to the next token's
+    state, so the head starts from the target's own last step instead of from noise."""
+    theirs, mine, h = target.get_decoder().layers[-1], head.midlayer, head.config.hidden_size
+    try:
+        pairs = [(mine.mlp.gate_proj, theirs.mlp.gate_proj), (mine.mlp.up_proj, theirs.mlp.up_proj),
+                 (mine.mlp.down_proj, theirs.mlp.down_proj), (mine.self_attn.o_proj, theirs.self_attn.o_proj),
+                 (mine.hidden_norm, theirs.input_layernorm),
+                 (mine.post_attention_layernorm, theirs.post_attention_layernorm)]
+        inputs = [(getattr(mine.self_attn, n), getattr(theirs.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    except AttributeError as err:
+        raise ValueError(f"init_layer_from_target needs a Llama-style last layer (q/k/v/o_proj, gate/up/down_proj, "
+                         f"input/post_attention_layernorm); {type(theirs).__name__} has no {err.name}") from None
+    shapes = [(m.weight.shape, t.weight.shape) for m, t in pairs]
+    shapes += [((m.weight.shape[0], m.weight.shape[1] - h), t.weight.shape) for m, t in inputs]
+    if any(tuple(a) != tuple(b) for a, b in shapes):
+        raise ValueError(f"init_layer_from_target: the head's layer and the target's last layer differ in shape "
+                         f"(head, target): {[s for s in shapes if tuple(s[0]) != tuple(s[1])]}")
+    with torch.no_grad():
+        for m, t in pairs:
+            m.weight.copy_(t.weight)
+        for m, t in inputs:
+            m.weight[:, h:].copy_(t.weight)
+            if m.bias is not None and t.bias is not None:
+                m.bias.copy_(t.bias)
 
 
 def new_head(target: PreTrainedModel, examples: SequenceOf[Sequence | Example], cfg: TrainConfig,
@@ -207,14 +222,17 @@ def new_head(target: PreTrainedModel, examples: SequenceOf[Sequence | Example], 
     vocab = None
     if cfg.draft_vocab_size is not None:
         vocab = choose_draft_vocab(examples, cfg.draft_vocab_size, eos_ids)
-    head = DartHead.from_target(target, draft_length=cfg.draft_length, mask_slot_content=cfg.mask_slot_content,
-                                draft_vocab_size=None if vocab is None else vocab.numel())
+    # node_budget None: the trained head's config asks for the cost-aware budget (a fixed 60 runs slower than plain
+    # decoding where verifying 60 nodes costs much more than one token, as on a CPU)
+    head = DartHead.from_target(target, draft_length=cfg.draft_length, draft_vocab_size=None if vocab is None else vocab.numel(), node_budget=None)
     head = head.float()
     with torch.no_grad():
         head.norm.weight.copy_(target.get_decoder().norm.weight.float())
         if vocab is not None:
             head.set_draft_vocab(vocab)
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab].float())
+    if cfg.init_layer_from_target:
+        copy_target_layer(head, target)
     return head
 
 
@@ -263,39 +281,6 @@ def label_validity(valid: torch.Tensor, position: torch.Tensor, ids: torch.Tenso
     agree = (argmax == token).long().cumprod(-1)
     prefix_agrees = torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1]], dim=-1).bool()
     return valid & labelled & prefix_agrees
-
-
-@torch.no_grad()
-def aux_scale(target: PreTrainedModel, layer_ids: list[int], data: SequenceOf[Sequence], device,
-              n: int = 32) -> torch.Tensor:
-    """Per-dimension RMS [3H] of the captured-layer inputs over the first `n` sequences (deterministic, so a
-    resumed run finds the same scale). Why: a few of the target's residual dimensions carry most of the energy
-    (SmolLM2: 5 of 576 dims hold over half, magnitudes ~1000), so unscaled they dominate `fc`'s early updates."""
-    seqs = list(data[:n])
-    ids = pad_sequence([e.ids for e in seqs], batch_first=True).to(device)
-    lengths = torch.tensor([e.ids.numel() for e in seqs], device=device)
-    aux, _ = target_features(target, layer_ids, ids, lengths)
-    rows = torch.arange(aux.shape[1], device=device) < (lengths - 1).unsqueeze(1)
-    return aux[rows].float().pow(2).mean(0).sqrt().clamp(min=1e-6)
-
-
-@torch.no_grad()
-def rescale_fc(head: DartHead, scale: torch.Tensor | None, fold: bool) -> None:
-    """Move `head.fc` between the weight for RAW captured inputs (`fold=True`: the saved format) and the weight for
-    inputs divided by `scale` (`fold=False`: what training updates). No-op without a scale."""
-    if scale is not None:
-        weight = head.fc.weight
-        weight.div_(scale.to(weight)) if fold else weight.mul_(scale.to(weight))
-
-
-@contextmanager
-def folded_fc(head: DartHead, scale: torch.Tensor | None):
-    """Within the block, `head.fc` reads raw captured inputs (saving, evaluating); training's weight after it."""
-    rescale_fc(head, scale, fold=True)
-    try:
-        yield head
-    finally:
-        rescale_fc(head, scale, fold=False)
 
 
 class AnchorCollator:
@@ -511,15 +496,10 @@ def train_head(
     if ckpt.exists():
         head = DartHead.from_pretrained(ckpt).float()
         state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
-        if bool(cfg.standardize_aux) != ("aux_scale" in state):
-            raise ValueError(f"{ckpt} was trained with standardize_aux={not cfg.standardize_aux}: resume with the same "
-                             "setting, or train into a new folder")
     elif cfg.init_from is not None:
         head, state = DartHead.from_pretrained(cfg.init_from).float(), None
         if cfg.widen_draft_vocab is not None:
             head = widen_draft_vocab(head, target, data, cfg.widen_draft_vocab)
-        if cfg.mask_slot_content and not head.config.mask_slot_content:
-            head = with_slot_content(head)
     else:
         torch.manual_seed(cfg.seed)  # the same config trains the same head
         head, state = new_head(target, data, cfg, eos_ids or []), None
@@ -531,13 +511,6 @@ def train_head(
     layer_ids = list(head.config.aux_layer_ids)
     draft_ids = None if head.lm_head is None else head.draft_to_target.to(accelerator.device)
     to_draft = None if head.lm_head is None else target_to_draft(head).to(accelerator.device)
-    scale = None
-    if cfg.standardize_aux:
-        if stored:
-            raise ValueError("standardize_aux reads the target's features: use a token corpus")
-        scale = state["aux_scale"].to(accelerator.device) if state is not None else aux_scale(
-            target, layer_ids, data, accelerator.device)
-        rescale_fc(head, scale, fold=False)  # the saved weight reads raw inputs: unfold it
     params = [p for p in head.parameters() if p.requires_grad]
     cache = None
     if cfg.cache_features:
@@ -570,7 +543,7 @@ def train_head(
             return
         if main:
             head.eval()
-            with torch.no_grad(), folded_fc(head, scale):
+            with torch.no_grad():
                 evaluations.append({"step": step, "tokens": tokens, "accepted_length": evaluate(head)})
             head.train()
             tqdm.write(f"step {step}, {tokens} tokens: accepted length {evaluations[-1]['accepted_length']}")
@@ -608,7 +581,7 @@ def train_head(
             if to_draft is not None:  # targets outside the draft vocab have no label (their KL is renormalised)
                 labels = torch.where(labels >= 0, to_draft[labels.clamp(min=0)], IGNORE)
             with accelerator.accumulate(model):
-                logits = model(aux.float() if scale is None else aux.float() / scale, ids[:, 1:], anchors)
+                logits = model(aux.float(), ids[:, 1:], anchors)
                 loss_sum, weight = batch_loss(cfg.loss, logits, valid, labels, cfg.gamma, teacher)
                 # normalised by the weight of all processes: N processes then average to one global-batch loss
                 total_weight = accelerator.reduce(weight.detach(), "sum").clamp(min=1e-6)
@@ -643,14 +616,12 @@ def train_head(
             if step % cfg.save_every == 0 or last:
                 accelerator.wait_for_everyone()
                 if main:
-                    with folded_fc(head, scale):
-                        _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens, elapsed(), scale)
+                    _save_checkpoint(head, optim, step, history, ckpt, evaluations, tokens, elapsed())
                 accelerator.wait_for_everyone()
     if cfg.max_seconds and step < total_steps:  # stopped by the time budget: the evaluation below is the last one
         total_steps = step
     maybe_evaluate()
     head.eval()
-    rescale_fc(head, scale, fold=True)  # from here on the head reads raw inputs, as saved
     if main:
         head.save_pretrained(out)
         (out / "training_history.json").write_text(
@@ -695,13 +666,11 @@ def plot_history(history: list[dict], path: Path, evaluations: list[dict] | None
 
 
 def _save_checkpoint(head: DartHead, optim, step: int, history: list, ckpt: Path, evaluations: list, tokens: int,
-                     seconds: float, scale: torch.Tensor | None) -> None:
+                     seconds: float) -> None:
     tmp = ckpt.with_name("checkpoint.tmp")
     head.save_pretrained(tmp)
     state = {"optimizer": optim.state_dict(), "step": step, "history": json.dumps(history),
              "evaluations": json.dumps(evaluations), "tokens": tokens, "seconds": seconds}
-    if scale is not None:
-        state["aux_scale"] = scale.cpu()
     torch.save(state, tmp / "trainer_state.pt")
     if ckpt.exists():
         for f in ckpt.iterdir():
