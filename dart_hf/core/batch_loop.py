@@ -17,9 +17,8 @@ What plain batched `generate` does, and how it is kept:
   a row once it stops; here the row leaves the batch and is padded at the end. Without one, `generate` keeps
   decoding a stopped row until every row has stopped; here such a row stays in the batch until the final length
   (the longest stop) is known and reached, and is cut there.
-- Logits processors see the row exactly as `generate` gives it (left padding included, length prompt + t); they are
-  called one row at a time, so a processor must decide each row from that row alone (all of transformers' own do,
-  except `prefix_allowed_tokens_fn`, which takes a batch index and is refused).
+- Logits processors see the row exactly as `generate` gives it (left padding included, length prompt + t), at its
+  own batch index (`RowProcessor`: processors may hold per-row state, as repetition penalty's prompt lengths).
 - Sampling: per row, the single-row walk's rule (the target's own draw at each visited node, one multinomial per
   token). The same seed gives the same batch; the draws are not those of plain batched `generate`, whose single
   multinomial per step covers all rows at once.
@@ -37,7 +36,6 @@ from typing import Callable
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, BatchAccepted, accept_greedy_batch, accept_walk
@@ -58,8 +56,7 @@ def is_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bo
     return input_ids.shape[0] > 1 or (attention_mask is not None and not bool((attention_mask == 1).all()))
 
 
-def check_batch_call(attention_mask: torch.Tensor | None, cache: DynamicCache,
-                     logits_processor: LogitsProcessorList) -> None:
+def check_batch_call(attention_mask: torch.Tensor | None, cache: DynamicCache) -> None:
     """Refuse, before any work, the batched calls the loop cannot run exactly."""
     if attention_mask is not None:
         mask = attention_mask.bool()
@@ -74,11 +71,6 @@ def check_batch_call(attention_mask: torch.Tensor | None, cache: DynamicCache,
         raise NotImplementedError(
             "DART batched decoding (batch size > 1 or padded inputs) does not support targets with sliding-window "
             "layers yet; decode one prompt at a time"
-        )
-    if any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in logits_processor):
-        raise NotImplementedError(
-            "DART batched decoding does not support prefix_allowed_tokens_fn (it takes a batch index, and the batch "
-            "rows are processed one at a time); decode one prompt at a time"
         )
 
 
@@ -173,8 +165,8 @@ def decode_batch(
                     step = accept_greedy_batch(trees, logits, keep)
                 else:
                     step = BatchAccepted.from_rows([
-                        _walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b], logits_processor,
-                              do_sample)
+                        _walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b],
+                              RowProcessor(logits_processor, b, len(rows)), do_sample)
                         for i, b in enumerate(active)
                     ])
                 ragged.commit(step.paths, step.lengths)
@@ -215,7 +207,29 @@ def _prefill(model, input_ids, attention_mask, mask, cache, logits_processor, do
     return raw, processed, processed.argmax(dim=-1)
 
 
-def _walk(tree, logits, context, logits_processor, do_sample: bool) -> Accepted:
+class RowProcessor:
+    """The call's logits processors applied to ONE row b of the batch, as `generate` applies them to the whole batch.
+
+    Some processors know the batch: repetition penalty holds a per-row prompt length (`prompt_ignore_length`, the
+    row's left padding), `prefix_allowed_tokens_fn` takes the row's index. So row b's context [1, L] and scores
+    [1, V] are repeated to the caller's batch size, the processors run on that batch, and row b comes back: every
+    processor sees row b at index b, exactly where `generate` shows it."""
+
+    def __init__(self, logits_processor: LogitsProcessorList, row: int, rows: int):
+        self.processors, self.row, self.rows = logits_processor, row, rows
+
+    def __len__(self) -> int:
+        return len(self.processors)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.rows == 1:
+            return self.processors(input_ids, scores)
+        batch_ids = input_ids.expand(self.rows, -1)
+        batch_scores = scores.expand(self.rows, -1).clone()
+        return self.processors(batch_ids, batch_scores)[self.row : self.row + 1]
+
+
+def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool) -> Accepted:
     """The single-row acceptance walk on one row: `context` is the row as `generate` holds it."""
     return accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample)
 
@@ -310,6 +324,7 @@ def _scores_after_stop(model, rows: _Rows, total: int, logits_processor: LogitsP
     """The scores / logits `generate` computes for a finished row after its stop, where it feeds the row pad tokens
     (attention mask 1): one target forward over the padded row, then the processors on each prefix."""
     for b in range(len(rows)):
+        processor = RowProcessor(logits_processor, b, len(rows))
         have = len(rows.scores[b])
         missing = total - rows.prompt - have
         if missing <= 0:
@@ -322,7 +337,7 @@ def _scores_after_stop(model, rows: _Rows, total: int, logits_processor: LogitsP
         for j in range(missing):
             context = seq[: rows.prompt + have + j].unsqueeze(0)
             rows.logits[b].append(logits[j])
-            rows.scores[b].append(logits_processor(context, logits[j : j + 1].clone())[0])
+            rows.scores[b].append(processor(context, logits[j : j + 1].clone())[0])
 
 
 def _result(rows: _Rows, total: int, pad_id, config: GenerationConfig, keep: bool):

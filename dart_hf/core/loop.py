@@ -65,7 +65,7 @@ def dart_decode(
     cache = _empty_cache(model, model_kwargs)
     batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
     if batched:
-        check_batch_call(model_kwargs.get("attention_mask"), cache, logits_processor)
+        check_batch_call(model_kwargs.get("attention_mask"), cache)
     use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
     policy, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
     stats.reset(mode="tree", budget_mode="auto" if policy else "fixed", node_budget=budget)
