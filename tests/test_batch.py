@@ -110,6 +110,58 @@ def test_holes_compacted_often_stay_lossless(llama_ngram, monkeypatch):
     assert any(compactions), "the cache never compacted: the test did not exercise it"
 
 
+CUDA = torch.cuda.is_available()
+NO_CPU_FLEX = "torch 2.13's CPU flex kernel fails to compile batched masks (plain batched generate fails the same way)"
+ATTNS = ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.skipif(not CUDA, reason=NO_CPU_FLEX))]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attn", ATTNS)
+def test_batched_verify_logits_equal_per_path_forwards(attn):
+    """Each row's tree sees exactly its own committed tokens: left padding and the holes of a commit are masked."""
+    from test_verify import random_tree
+
+    from dart_hf.core.acceptance import accept_greedy_batch
+    from dart_hf.core.target import cache_kwargs
+    from dart_hf.core.tree_batch import TreeBatch
+    from dart_hf.core.verify import verify_batch
+    from transformers import DynamicCache
+
+    device = "cuda" if CUDA else "cpu"
+    target = make_target("qwen3", attn=attn).to(device)
+    rows = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)).to(device) for n in (9, 1, 4)]
+    ids, mask = (t.to(device) for t in left_pad(rows))
+    cache = DynamicCache(config=target.config)
+    target(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+           **cache_kwargs(target, cache))
+    state = ragged.RaggedCache(cache, mask.bool())
+    texts = [r[0] for r in rows]
+    for step in range(2):
+        trees = TreeBatch.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
+        logits = verify_batch(target, trees, state)
+        for r, tree in enumerate(trees.trees):
+            for i in range(tree.size):
+                path = tree.ancestor_mask[i].nonzero().squeeze(1)
+                seq = torch.cat([texts[r], tree.tokens[path]]).unsqueeze(0)
+                torch.testing.assert_close(logits[r, i], target(input_ids=seq).logits[0, -1], atol=1e-4, rtol=1e-4)
+        acc = accept_greedy_batch(trees, logits)
+        state.commit(acc.paths, acc.lengths)  # rows accept different lengths: holes
+        texts = [torch.cat([texts[r], trees.tokens[r, acc.paths[r, : int(acc.lengths[r])]]]) for r in range(3)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_greedy_batch_on_the_gpu(attn):
+    target = make_target("llama", attn=attn).cuda()
+    head = wide_head(target)
+    rows = batch_prompts(8, seed=53)
+    head.ngram = ngram_from_target(target, [r.cuda() for r in rows])
+    ids, mask = (t.cuda() for t in left_pad(rows))
+    for kw in (dict(max_new_tokens=40), dict(max_new_tokens=30, eos_token_id=[5, 9, 1])):
+        ref = plain(target, ids, mask, **kw)
+        assert torch.equal(dart(target, head, ids, mask, **kw), ref), f"{attn} {kw}"
+
+
 # ---------------------------------------------------------------------------------------------- per-row features
 @pytest.mark.parametrize(
     "processors",
