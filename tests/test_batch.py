@@ -84,7 +84,8 @@ def test_one_left_padded_row_and_an_unpadded_batch(llama_ngram):
     assert torch.equal(dart(target, head, same, None, max_new_tokens=15), plain(target, same, None, max_new_tokens=15))
 
 
-@pytest.mark.parametrize("budget", [0, 1, 7])
+@pytest.mark.filterwarnings("ignore:dart_hf. no verify-cost curve")
+@pytest.mark.parametrize("budget", [0, 1, 7, "auto"])
 def test_fixed_budgets_including_plain_steps(llama_ngram, budget):
     target, head = llama_ngram
     ids, mask = left_pad(batch_prompts(4, seed=11))
@@ -316,6 +317,23 @@ def test_sampling_distribution_per_row(monkeypatch):
     monkeypatch.setattr(batch_loop, "_walk", biased_walk)
     counts = second_token_counts(target, head, ids, mask, 400)
     assert max(chi2(counts[r], exact[r]) for r in range(2)) > CHI2_999[7], "the test cannot see a biased walk"
+
+
+def test_batch_budget_shrinks_as_the_batch_grows():
+    """The cost-aware rule for batches: n maximising rows * (1 + E[accepted | n]) / curve(rows * (n + 1))."""
+    from dart_hf.core.budget import BudgetPolicy, batch_budget
+    from dart_hf.core.cost import VerifyCost
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    flat_then_linear = VerifyCost(sizes, [0.01 * max(1.0, n / 64) for n in sizes])  # a GPU-like verify curve
+    policy = BudgetPolicy(flat_then_linear, device_type="cuda")
+    assert batch_budget(policy, 4) == policy.largest  # nothing known yet: the largest tree, which informs all
+    for k in range(120):  # the path holds rank r in (5 - r) of 6 steps: E[accepted | 1, 3, 7] = 0.83, 2.0, 2.5
+        policy.observe(policy.largest, list(range(k % 6)))
+    budgets = [batch_budget(policy, rows) for rows in (1, 4, 16, 64)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] >= 7 and budgets[-1] == 0, budgets
+    assert batch_budget(policy, 64, drafting_only=True) > 0
+    assert batch_budget(BudgetPolicy(None, device_type="cpu"), 8) == BudgetPolicy(None, device_type="cpu").largest
 
 
 # ---------------------------------------------------------------------------------------------- refused
