@@ -206,16 +206,19 @@ def test_custom_stopping_criteria_per_row(llama_ngram, eos):
     assert torch.equal(dart(target, head, ids, mask, **kw), ref)
 
 
-def test_return_dict_scores_and_logits_in_plain_layout(llama_ngram):
+@pytest.mark.parametrize("eos", [True, False])
+def test_return_dict_scores_and_logits_in_plain_layout(llama_ngram, eos):
+    """With EOS a finished row's entries after its stop are the target fed pad tokens; without, its own text's."""
     target, head = llama_ngram
     ids, mask = left_pad(batch_prompts(3, seed=23))
-    free = plain(target, ids, mask, max_new_tokens=20)[0, ids.shape[1] :].tolist()
-    kw = dict(max_new_tokens=20, eos_token_id=[free[3], 1], return_dict_in_generate=True, output_scores=True,
-              output_logits=True, repetition_penalty=1.3)
+    free = plain(target, ids, mask, max_new_tokens=20, eos_token_id=None)[:, ids.shape[1] :]
+    crit = StoppingCriteriaList([StopAfterTokens([int(free[r, 3 + 4 * r]) for r in range(3)])])
+    kw = dict(max_new_tokens=20, stopping_criteria=crit, eos_token_id=1 if eos else None, return_dict_in_generate=True,
+              output_scores=True, output_logits=True, repetition_penalty=1.3)
     ref = plain(target, ids, mask, **kw)
     out = dart(target, head, ids, mask, **kw)
     assert torch.equal(out.sequences, ref.sequences)
-    assert (ref.sequences[0, -1] == PAD), "the first row must finish early (its scores after the stop matter)"
+    assert ref.sequences.shape[1] < ids.shape[1] + 20 and (ref.sequences[0, -1] == PAD) == eos
     assert len(out.scores) == len(ref.scores) and len(out.logits) == len(ref.logits)
     for a, b in zip(out.scores + out.logits, ref.scores + ref.logits):
         assert a.shape == b.shape
@@ -233,13 +236,16 @@ class Collect(BaseStreamer):
         self.ended = True
 
 
-def test_streamer_gets_the_columns_plain_generate_gives(llama_ngram):
+@pytest.mark.parametrize("eos", [True, False])
+def test_streamer_gets_the_columns_plain_generate_gives(llama_ngram, eos):
     target, head = llama_ngram
     ids, mask = left_pad(batch_prompts(3, seed=29))
-    free = plain(target, ids, mask, max_new_tokens=20)[2, ids.shape[1] :].tolist()
-    kw = dict(max_new_tokens=20, eos_token_id=[free[5], 1])
+    free = plain(target, ids, mask, max_new_tokens=20, eos_token_id=None)[:, ids.shape[1] :]
+    crit = StoppingCriteriaList([StopAfterTokens([int(free[r, 2 + 5 * r]) for r in range(3)])])
+    kw = dict(max_new_tokens=20, stopping_criteria=crit, eos_token_id=1 if eos else None)
     ref_stream, out_stream = Collect(), Collect()
-    plain(target, ids, mask, streamer=ref_stream, **kw)
+    ref = plain(target, ids, mask, streamer=ref_stream, **kw)
+    assert ref.shape[1] < ids.shape[1] + 20
     dart(target, head, ids, mask, streamer=out_stream, **kw)
     assert out_stream.ended and out_stream.chunks == ref_stream.chunks
 

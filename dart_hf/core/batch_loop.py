@@ -126,8 +126,9 @@ def decode_batch(
     keep = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
     do_sample = bool(config.do_sample)
     greedy = not do_sample and len(logits_processor) == 0
+    ngram = head.ngram.to(head.device) if head.ngram is not None else None  # one copy for every row
     drafters = {b: DartDrafter(head, model, max_length=config.max_length, node_budget=node_budget,
-                               prompt_lookup=prompt_lookup, eos_token_ids=config._eos_token_tensor)
+                               prompt_lookup=prompt_lookup, eos_token_ids=config._eos_token_tensor, ngram=ngram)
                 for b in range(len(rows))}
     out_stream = _ColumnStream(streamer, rows, pad_id)
     if streamer is not None:
@@ -149,7 +150,7 @@ def decode_batch(
         stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
         active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
         out_stream.flush(active)
-        probe = 0
+        probe, budget = 0, node_budget
         while active:
             budget, probe = _step_budget(policy, node_budget, len(active), probe)
             trees = TreeBatch.stack(
@@ -177,7 +178,8 @@ def decode_batch(
                 n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
             if policy is not None and budget > 0:  # acceptance statistics only: batch steps are not timed
                 for i, tree in enumerate(trees.trees):
-                    policy.observe(budget, path_ranks(tree, step.paths[i, : lengths[i]].to(tree.tokens.device)))
+                    path = step.paths[i, : lengths[i]].to(tree.tokens.device)
+                    policy.observe(budget, path_ranks(tree, path).tolist())
             stats.record_step(n_new, budget)
             active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
             ragged.compact()
@@ -189,7 +191,7 @@ def decode_batch(
     out_stream.flush([], total)
     if streamer is not None:
         streamer.end()
-    stats.node_budget = policy.choice if policy is not None else node_budget
+    stats.node_budget = budget  # the last step's (the cost-aware rule's latest choice)
     return _result(rows, total, pad_id, config, keep)
 
 
@@ -369,10 +371,10 @@ class _ColumnStream:
     def flush(self, active: list[int], total: int | None = None) -> None:
         if self.streamer is None:
             return
+        if total is None and not active:
+            return  # the final length is known only at the end (rows may run past it when no EOS is configured)
         rows = self.rows
-        ready = total if total is not None else (
-            min(rows.length(b) for b in active) if active else max(rows.length(b) for b in range(len(rows)))
-        )
+        ready = total if total is not None else min(rows.length(b) for b in active)
         for t in range(self.sent + rows.prompt, ready):
             column = [int(s[t]) if t < s.numel() else self.pad for s in rows.seqs]
             self.streamer.put(torch.tensor(column))
