@@ -5,7 +5,8 @@ everything (GenerationConfig, logits processors and warpers, stopping criteria i
 length, the DynamicCache) and then hands over to it, either through `custom_generate=dart_decode` or through
 the `assistant_model=DartHead` routing installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
 The draft half lives in `drafter.py` (shared with chain mode), every temporary change to the target in
-`runtime.py`, the per-call results in `stats.py`.
+`runtime.py`, the per-call results in `stats.py`. A batch (more than one row, or left padding) runs the same checks
+and set-up here, then the batched loop of `batch_loop.py`; one unpadded row stays on this loop.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def dart_decode(
     dart_budget_state=None,
     **model_kwargs,
 ):
-    """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless).
+    """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless), for one row or a
+    batch of left-padded rows (`batch_loop.decode_batch`).
 
     dart_head: the draft head (checked and placed by `prepare_call`: moved and cast in place to the target's device
     and dtype on the first call with that target).
