@@ -101,10 +101,11 @@ def test_encoder_decoder_target(llama_head, arch, mode):
 
 
 # ---------------------------------------------------------------------------------------------- unsupported calls
-def test_batch_size_above_one(llama, llama_head):
+def test_batch_size_above_one_in_chain_mode(llama, llama_head):
     ids = prompts(1, seed=5)[0]
-    with pytest.raises(ValueError, match="batch size 1"):
-        run(llama, llama_head, ids.repeat(2, 1))
+    with pytest.raises(ValueError, match="chain.*batch size 1.*tree"):
+        run(llama, llama_head, ids.repeat(2, 1), mode="chain")
+    assert run(llama, llama_head, ids.repeat(2, 1)).shape == (2, ids.shape[1] + 4)  # tree mode decodes batches
 
 
 def test_num_beams_above_one(llama, llama_head):
@@ -143,12 +144,12 @@ def test_context_overflow_names_both_numbers(llama, llama_head):
     assert run(llama, llama_head, ids, max_new_tokens=None, max_length=limit).shape[1] == limit  # exactly at the limit
 
 
-@pytest.mark.parametrize("where", ["left", "middle"])
-def test_padded_input(llama, llama_head, where):
+@pytest.mark.parametrize("where", ["right", "middle"])
+def test_padded_input_not_on_the_left(llama, llama_head, where):
     ids = prompts(1, seed=5)[0]
     mask = torch.ones_like(ids)
-    mask[0, 0 if where == "left" else ids.shape[1] // 2] = 0
-    with pytest.raises(ValueError, match="padded"):
+    mask[0, -1 if where == "right" else ids.shape[1] // 2] = 0
+    with pytest.raises(ValueError, match="left padding only"):
         run(llama, llama_head, ids, attention_mask=mask)
     # an all-ones mask is fine
     assert run(llama, llama_head, ids, attention_mask=torch.ones_like(ids)).shape[1] == ids.shape[1] + 4

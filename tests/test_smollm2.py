@@ -55,3 +55,16 @@ def test_sampling_and_streaming_on_the_real_target(smollm2, shipped_head):
                           max_new_tokens=24, streamer=streamer)
     text = "".join(streamer)
     assert out.shape[1] > ids.shape[1] and text.strip()
+
+
+def test_batch_of_chat_prompts_equals_plain_batched_generate(smollm2, shipped_head):
+    target, tok = smollm2
+    tok.padding_side = "left"
+    prompts = eval_prompts(tok, "sharegpt", 2) + eval_prompts(tok, "humaneval", 2)
+    batch = tok.pad({"input_ids": [p[0].tolist() for p in prompts]}, return_tensors="pt")
+    kw = dict(do_sample=False, max_new_tokens=40)
+    ref = target.generate(**batch, **kw)
+    for budget in (None, 15):  # the cost-aware budget (batched rule), and a fixed tree per row
+        out = target.generate(**batch, assistant_model=shipped_head, dart_node_budget=budget, **kw)
+        assert torch.equal(out, ref), [tok.decode(row) for row in out[:, batch["input_ids"].shape[1] :]]
+    assert shipped_head.stats["mean_accepted_length"] > 4 * 1.3  # tokens per verify forward over 4 rows

@@ -94,3 +94,48 @@ def accept_walk(
         scores=torch.stack(scores),
         logits=logits[path_t],
     )
+
+
+@dataclass
+class BatchAccepted:
+    """One step's acceptance for every row of a `TreeBatch`: paths [rows, M] (tree node indices, root first; past a
+    row's own length the last node repeats), lengths [rows] (path length = new tokens of the row), tokens [rows, M]
+    (the new tokens, the first lengths[r] of row r real) and, when asked for, the scores / logits rows [rows, M, V]."""
+
+    paths: torch.Tensor
+    lengths: torch.Tensor
+    tokens: torch.Tensor
+    scores: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+    @classmethod
+    def from_rows(cls, rows: list[Accepted]) -> "BatchAccepted":
+        """Pad per-row results (the walk's) to one [rows, M] layout."""
+        lengths = torch.tensor([r.path.numel() for r in rows], device=rows[0].path.device)
+        m = int(lengths.max())
+        pad = lambda t: torch.cat([t, t[-1:].expand(m - t.shape[0], *t.shape[1:])]) if t.shape[0] < m else t
+        stack = lambda ts: torch.stack([pad(t) for t in ts])
+        scores = stack([r.scores for r in rows]) if rows[0].scores is not None else None
+        logits = stack([r.logits for r in rows]) if rows[0].logits is not None else None
+        return cls(stack([r.path for r in rows]), lengths, stack([r.tokens for r in rows]), scores, logits)
+
+
+def accept_greedy_batch(trees, logits: torch.Tensor, keep_scores: bool = False) -> BatchAccepted:
+    """`accept_greedy` for every row of a `TreeBatch` at once (logits [rows, N, V]); padding nodes are never
+    accepted. One host sync (the longest path)."""
+    predicted = logits.argmax(dim=-1)  # [rows, N]
+    matches = (trees.tokens == predicted.gather(1, trees.parents)) & trees.real
+    matches[:, 0] = True
+    accepted = ~(trees.ancestor_mask & ~matches.unsqueeze(1)).any(dim=2)
+    deepest = torch.where(accepted, trees.depths, -1).argmax(dim=1)  # [rows]
+    on_path = trees.ancestor_mask[torch.arange(deepest.numel(), device=deepest.device), deepest]
+    lengths = trees.depths.gather(1, deepest.unsqueeze(1)).squeeze(1) + 1
+    n = trees.width
+    idx = torch.arange(n, device=on_path.device).expand_as(on_path)
+    m = int(lengths.max())
+    order = torch.sort(torch.where(on_path, idx, n + idx), dim=1).values[:, :m]  # the path's nodes, ascending
+    paths = torch.where(order < n, order, deepest.unsqueeze(1))
+    # greedy: the token after path node j is the target's argmax there (the next path node's token, or the bonus)
+    tokens = predicted.gather(1, paths)
+    rows = logits.gather(1, paths.unsqueeze(2).expand(-1, -1, logits.shape[2])) if keep_scores else None
+    return BatchAccepted(paths, lengths, tokens, rows, rows)

@@ -196,6 +196,26 @@ class BudgetPolicy:
                 "tokens_per_second": clean(self.tokens_per_second()), "curve": self.curve and self.curve.path}
 
 
+def batch_budget(policy: BudgetPolicy, rows: int, drafting_only: bool = False) -> int:
+    """The node budget per row of a batched step of `rows` rows (`dart_hf.core.batch_loop`): the candidate n with
+    the most expected tokens per second of verify, rows * (1 + E[accepted | n]) / curve(rows * (n + 1)), i.e. the
+    calibrated verify curve read at the batch's whole token count. As the batch grows, each row's tree shrinks, down
+    to plain decoding (n = 0) where drafting no longer pays. E[accepted | n] is the policy's (shared with
+    single-row calls, updated by batched steps too); batched steps are not timed, and the head forward, tree search
+    and acceptance are not counted. Before any acceptance is known, and without a curve: the policy's largest tree.
+    drafting_only: the best n > 0."""
+    if policy.curve is None:
+        return policy.largest
+    expected = policy.expected_accepted()
+    if np.isnan(expected[1:]).any():
+        return policy.largest  # one step at the largest tree informs every smaller one
+    sizes = np.asarray(policy.candidates, dtype=float)
+    tps = rows * (1.0 + expected) / np.maximum(np.asarray(policy.curve(rows * (sizes + 1))), 1e-9)
+    if drafting_only:
+        tps[0] = -np.inf
+    return int(policy.candidates[int(np.argmax(tps))])
+
+
 class BudgetState:
     """The policies' memory across `generate` calls, one per (target configuration, prompt lookup on/off): a fresh
     policy pays its warm-up at the largest tree again. `head.budget_state`; `reset()` forgets."""
@@ -236,4 +256,5 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
     return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup)
 
 
-__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "accepted_for_budgets", "budget_policy", "path_ranks"]
+__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "accepted_for_budgets", "batch_budget", "budget_policy",
+           "path_ranks"]

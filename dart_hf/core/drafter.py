@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .modeling import DartHead, TargetModules
+from .ngram import NGramModel
 from .prompt_lookup import lookup_for_tree
 from .stats import PhaseTimer
 from .tree import DraftTree, TreeSearchParams, build_tree, root_tree
@@ -47,13 +48,18 @@ class DartDrafter:
         node_budget: int,
         prompt_lookup: bool,
         eos_token_ids: torch.Tensor | None,
+        ngram: NGramModel | None = None,
     ):
+        """ngram: the head's n-gram already on the head's device (the rows of a batch share one copy); default: the
+        head's, moved there."""
         self.head = head
         self.device = head.device
         self.modules = TargetModules.of(target)
         self.cache = head.new_cache(capacity=max_length + head.config.num_predictions)
         self.params = TreeSearchParams.from_config(head.config, node_budget=node_budget)
-        self.ngram = head.ngram.to(self.device) if head.ngram is not None else None
+        if ngram is None and head.ngram is not None:
+            ngram = head.ngram.to(self.device)
+        self.ngram = ngram
         self.context_size = max(self.ngram.context_size if self.ngram is not None else 0, 1)
         self.prompt_lookup = prompt_lookup
         self.eos = eos_token_ids.to(self.device).view(-1) if eos_token_ids is not None else None

@@ -5,7 +5,8 @@ everything (GenerationConfig, logits processors and warpers, stopping criteria i
 length, the DynamicCache) and then hands over to it, either through `custom_generate=dart_decode` or through
 the `assistant_model=DartHead` routing installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
 The draft half lives in `drafter.py` (shared with chain mode), every temporary change to the target in
-`runtime.py`, the per-call results in `stats.py`.
+`runtime.py`, the per-call results in `stats.py`. A batch (more than one row, or left padding) runs the same checks
+and set-up here, then the batched loop of `batch_loop.py`; one unpadded row stays on this loop.
 """
 
 from __future__ import annotations
@@ -14,22 +15,21 @@ from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
+from .batch_loop import check_batch_call, decode_batch, is_batch
 from .budget import BudgetPolicy, budget_policy
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
+from .stopping import first_stop as _first_stop
 from .support import check_tree_target
+from .target import OUTPUT_CACHE as _OUTPUT_CACHE
 from .target import cache_kwargs, check_head_matches_target, prepare_head
 from .tree import DraftTree
 from .verify import compact_cache, verify_tree
-
-_OUTPUT_CACHE = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-"""The output's cache field: `cache` from transformers 5.24 on, `past_key_values` before (see `cache_kwargs`)."""
 
 
 @torch.no_grad()
@@ -48,7 +48,8 @@ def dart_decode(
     dart_budget_state=None,
     **model_kwargs,
 ):
-    """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless).
+    """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless), for one row or a
+    batch of left-padded rows (`batch_loop.decode_batch`).
 
     dart_head: the draft head (checked and placed by `prepare_call`: moved and cast in place to the target's device
     and dtype on the first call with that target).
@@ -64,10 +65,17 @@ def dart_decode(
     _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
     head, stats = dart_head, prepare_call(dart_head, model, dart_stats)
     cache = _empty_cache(model, model_kwargs)
+    batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
+    if batched:
+        check_batch_call(model_kwargs.get("attention_mask"), cache)
     use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
     policy, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
     stats.reset(mode="tree", budget_mode="auto" if policy else "fixed", node_budget=budget)
     timer = PhaseTimer(stats.time, head.device, dart_timing)
+    if batched:
+        return decode_batch(model, head, input_ids, model_kwargs.get("attention_mask"), cache, logits_processor,
+                            stopping_criteria, generation_config, stats=stats, timer=timer, policy=policy,
+                            node_budget=budget, prompt_lookup=use_lookup, streamer=dart_streamer)
     drafter = DartDrafter(head, model, max_length=generation_config.max_length, node_budget=budget,
                           prompt_lookup=use_lookup, eos_token_ids=generation_config._eos_token_tensor)
     output = _Output(generation_config)
@@ -148,16 +156,11 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
     # error would blame the wrong argument
     if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
         raise ValueError("DART decoding supports num_beams=1 and num_return_sequences=1")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"DART decoding supports batch size 1, got a batch of {input_ids.shape[0]}")
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(
             f"DART decoding needs a DynamicCache (tree entries are compacted in place); "
             f"cache_implementation={generation_config.cache_implementation!r} is not supported"
         )
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ValueError("DART decoding does not support padded inputs (attention_mask with zeros)")
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if max_pos is not None and generation_config.max_length > max_pos:
         raise ValueError(
@@ -226,35 +229,6 @@ def _append(input_ids, tokens: torch.Tensor, stopping_criteria: StoppingCriteria
     if stop is None:
         return input_ids, n_new, False
     return input_ids[:, : input_ids.shape[1] - n_new + stop + 1], stop + 1, True
-
-
-def _first_stop(
-    input_ids: torch.Tensor, n_new: int, stopping_criteria: StoppingCriteriaList, scores
-) -> int | None:
-    """Index (0-based, within the n_new tokens just appended) of the first token after which generation stops,
-    checking every prefix as plain generate would have, one token at a time.
-
-    Fast path for the usual criteria (max length, EOS): arithmetic plus one vectorised EOS lookup, one host sync
-    per step instead of one per new token."""
-    start = input_ids.shape[1] - n_new
-    if all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in stopping_criteria):
-        limit = n_new  # index of the first stopping token; n_new: none
-        for c in stopping_criteria:
-            if type(c) is MaxLengthCriteria:
-                limit = min(limit, max(c.max_length - start - 1, 0))
-        span = input_ids[0, start : start + limit]
-        for c in stopping_criteria:
-            if type(c) is EosTokenCriteria and span.numel():
-                c.eos_token_id = c.eos_token_id.to(input_ids.device)  # as EosTokenCriteria itself does
-                hit = torch.isin(span, c.eos_token_id).nonzero()
-                if hit.numel():
-                    limit = int(hit[0, 0])
-                    span = span[:limit]
-        return limit if limit < n_new else None
-    for j in range(n_new):
-        if bool(stopping_criteria(input_ids[:, : start + j + 1], scores).any()):
-            return j
-    return None
 
 
 def _stream(streamer, input_ids: torch.Tensor, n_new: int) -> None:

@@ -21,7 +21,8 @@ class DartStats:
 
     steps: target forwards after the prefill (one per tree verify, or per chain proposal in chain mode).
     new_tokens: tokens appended to the prompt, the prefill's token included.
-    accepted_lengths: tokens each step appended (accepted draft tokens + the target's own token).
+    accepted_lengths: tokens each step appended (accepted draft tokens + the target's own token); in a batch, over all
+    rows (so `mean_accepted_length` is new tokens per verify forward of the batch; plain batched decoding: the rows).
     node_budget / node_budgets: the tree size in force (the budget policy's choice for "auto") and the one used per
     step (0: a plain decoding step, no head forward and no tree).
     time: seconds per phase. Tree mode: prefill, draft (head forward), tree (search), verify (target forward),

@@ -13,8 +13,13 @@ from functools import lru_cache, partial
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .configuration import check_config_matches_target, dart_config_for_target  # noqa: F401 (re-exported)
+
+
+OUTPUT_CACHE = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+"""The `generate` output's cache field: `cache` from transformers 5.24 on, `past_key_values` before."""
 
 
 def cache_kwargs(model: nn.Module, cache) -> dict:

@@ -192,3 +192,20 @@ def compact_cache(cache: DynamicCache, past_len: int, path: torch.Tensor) -> Non
         if window is not None:
             layer.cumulative_length = new_len
             layer.record_past = False
+
+
+@torch.no_grad()
+def verify_batch(target: PreTrainedModel, trees, ragged) -> torch.Tensor:
+    """Run the target once over every row's tree (`trees`: a `TreeBatch`, `ragged`: the batch's `RaggedCache`);
+    returns float logits [rows, N, vocab]. Full-attention layers only (a batch over sliding-window layers is refused
+    before any work: their cache keeps only a window of slots, which holes would shift)."""
+    impl = target.config._attn_implementation or "eager"
+    out = target(
+        input_ids=trees.tokens,
+        attention_mask=ragged.verify_mask(trees, impl, target.dtype),
+        position_ids=ragged.positions(trees),
+        use_cache=True,
+        **cache_kwargs(target, ragged.cache),
+        logits_to_keep=0,
+    )
+    return out.logits.float()

@@ -141,6 +141,16 @@ def _chain_generate(model, head: DartHead, args, kwargs):
             _CHAIN_CALL.reset(token)
 
 
+def _check_chain_batch(args: tuple, kwargs: dict) -> None:
+    """Chain mode is transformers' assisted decoding, which runs one row: say so, and where batches do run."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] > 1:
+        raise ValueError(
+            f'DART dart_mode="chain" (transformers\' assisted decoding) supports batch size 1, got a batch of '
+            f'{ids.shape[0]}; the default dart_mode="tree" decodes batches'
+        )
+
+
 @functools.wraps(_original_generate)
 def _generate(self, *args, assistant_model=None, **kwargs):
     if not isinstance(assistant_model, DartHead):
@@ -152,6 +162,7 @@ def _generate(self, *args, assistant_model=None, **kwargs):
         raise ValueError("assistant_model=DartHead already selects the decoding loop; drop custom_generate")
     if mode == "chain":
         check_chain_target(self)
+        _check_chain_batch(args, kwargs)
         return _chain_generate(self, assistant_model, args, kwargs)
     check_tree_target(self)  # before generate prepares anything
     _stop_strings_as_criteria(self, kwargs)  # tree mode: dart_decode checks and places the head (prepare_call)

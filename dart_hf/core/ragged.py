@@ -1,0 +1,115 @@
+"""The ragged KV cache of a batched DART call: one transformers `DynamicCache`, per-row masks and positions.
+
+Rows accept different numbers of tokens per step, but a `DynamicCache` keeps one length for the whole batch. The
+scheme (no model code copied, the cache stays transformers' own):
+
+- Every step appends the same number of slots to every row: the LONGEST accepted path of the step. Row r's path
+  goes into the first len_r of those slots; the slots behind it are HOLES. Left padding of the prompt is holes too.
+- `valid` [rows, T] says which slots hold a committed token; the verify mask of a row (`verify_mask`) is its `valid`
+  row (every committed token, never a hole) followed by its own tree mask. A hole is never attended to, so its
+  content does not matter.
+- Positions are per row: row r's next token sits at position `next_pos[r]` = its committed tokens so far, as plain
+  `generate` counts positions of a left-padded row (cumsum of the attention mask - 1). Keys are stored already
+  rotated, so moving an entry to another slot does not change what it means.
+- When every row has at least `max(min_holes, T / 4)` holes, `compact` moves each row's committed entries to the
+  right end of the row (one gather per layer) and cuts the shared holes off the front.
+- A finished row leaves the batch (`select`): it no longer costs verify work.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .tree_batch import TreeBatch
+from .verify import GROUPED_SDPA
+
+
+class RaggedCache:
+    """A `DynamicCache` over the batch's active rows, with per-row slot validity and next positions."""
+
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, min_holes: int = 16):
+        self.cache = cache
+        self.valid = valid.bool()  # [rows, T]
+        self.next_pos = self.valid.sum(dim=1)  # [rows]
+        self.min_holes = min_holes
+
+    @property
+    def length(self) -> int:
+        """T: slots per row."""
+        return self.valid.shape[1]
+
+    # ------------------------------------------------------------------------------------------ the verify forward
+    def positions(self, trees: TreeBatch) -> torch.Tensor:
+        """[rows, N]: node i of row r sits at next_pos[r] + depth (padding nodes: at next_pos[r])."""
+        return self.next_pos.unsqueeze(1) + trees.depths
+
+    def verify_mask(self, trees: TreeBatch, attn_implementation: str, dtype: torch.dtype):
+        """The 4D mask [rows, 1, N, T + N] of the batch's verify forward: row r's committed slots, then its tree's
+        ancestor mask; in the form the attention backend takes (bool for SDPA, 0 / -inf for eager, a BlockMask for
+        FlexAttention)."""
+        rows, n = trees.tokens.shape
+        committed = self.valid.unsqueeze(1).expand(rows, n, self.length)
+        visible = torch.cat([committed, trees.ancestor_mask], dim=2)
+        if attn_implementation == "flex_attention":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return visible[b, q_idx, kv_idx]
+
+            return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=n, KV_LEN=self.length + n,
+                                     device=visible.device)
+        visible = visible.unsqueeze(1)
+        if attn_implementation in ("sdpa", GROUPED_SDPA):
+            return visible
+        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+            ~visible, torch.finfo(dtype).min
+        )
+
+    # ------------------------------------------------------------------------------------------ after acceptance
+    def commit(self, paths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Keep each row's accepted path and drop every other tree entry.
+
+        paths [rows, M]: tree node indices, root first, the first lengths[r] of row r real (the rest: any index);
+        M = the longest path. The tree's entries are the last N slots of every layer; the paths are gathered into the
+        first M of them and the rest is cut. Slots past a row's own path become holes."""
+        t, m = self.length, paths.shape[1]
+        move = m > 1  # when every path is the root alone, node 0 is already in place
+        index = (t + paths)[:, None, :, None]
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                if move:
+                    idx = index.to(tensor.device).expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                    gathered = tensor.gather(2, idx)
+                    tensor[:, :, t : t + m] = gathered
+                setattr(layer, name, tensor[:, :, : t + m])
+        new = torch.arange(m, device=self.valid.device).unsqueeze(0) < lengths.to(self.valid.device).unsqueeze(1)
+        self.valid = torch.cat([self.valid, new], dim=1)
+        self.next_pos = self.next_pos + lengths.to(self.next_pos.device)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the current rows, in order): finished rows leave the batch."""
+        self.cache.batch_select_indices(rows.to(self.cache.layers[0].keys.device))
+        self.valid, self.next_pos = self.valid[rows], self.next_pos[rows]
+
+    def compact(self) -> bool:
+        """Drop the holes every row has, when they are at least max(min_holes, T / 4) slots: each row's committed
+        entries move, in order, to the right end of its row. Returns whether it compacted."""
+        shared = int((~self.valid).sum(dim=1).min())
+        if shared < max(self.min_holes, self.length // 4):
+            return False
+        # per row: holes first, then the committed slots in their order (a stable sort of the validity)
+        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, shared:]
+        index = order[:, None, :, None]
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                idx = index.to(tensor.device).expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                setattr(layer, name, tensor.gather(2, idx))
+        self.valid = self.valid.gather(1, order)
+        return True

@@ -1,0 +1,386 @@
+"""Batched DART (left-padded rows, one tree per row, one verify forward): the output of plain batched `generate`,
+row by row, token for token, on tiny random targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import dart_hf
+from conftest import make_head, make_target, prompts
+from dart_hf.core import batch_loop, ragged
+from test_generate import ngram_from_target, wide_head
+
+PAD = 2
+
+
+def left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of [1, L_i] prompts, left-padded as `padding_side="left"` pads them."""
+    width = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[1] :] = r[0]
+        mask[i, width - r.shape[1] :] = 1
+    return ids, mask
+
+
+def batch_prompts(n: int, seed: int) -> list[torch.Tensor]:
+    """n prompts of different lengths, one of them a single token."""
+    rows = prompts(n, seed=seed)
+    rows[n // 2] = rows[n // 2][:, :1]
+    return rows
+
+
+def plain(target, ids, mask, **kw):
+    return target.generate(ids, attention_mask=mask, do_sample=False, **kw)
+
+
+def dart(target, head, ids, mask, **kw):
+    return target.generate(ids, attention_mask=mask, assistant_model=head, do_sample=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama_ngram():
+    target = make_target("llama")
+    head = wide_head(target)
+    head.ngram = ngram_from_target(target, batch_prompts(8, seed=3))
+    return target, head
+
+
+# ---------------------------------------------------------------------------------------------- greedy, lossless
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("n_rows", [2, 3, 8])
+def test_greedy_batch_equals_plain_batched_generate(arch, n_rows):
+    target = make_target(arch)
+    head = wide_head(target)
+    rows = batch_prompts(n_rows, seed=n_rows)
+    head.ngram = ngram_from_target(target, rows)
+    ids, mask = left_pad(rows)
+    free = plain(target, ids, mask, max_new_tokens=40)
+    # an EOS the first row really reaches mid-text: rows end at different steps (and padding follows)
+    gen = free[0, ids.shape[1] :].tolist()
+    eos = [t for t in gen[4:] if t not in gen[:4] and t != PAD][:1] + [1]
+    for kw in (dict(max_new_tokens=40), dict(max_new_tokens=40, eos_token_id=eos), dict(max_new_tokens=1)):
+        ref = plain(target, ids, mask, **kw)
+        out = dart(target, head, ids, mask, **kw)
+        assert torch.equal(out, ref), f"{arch} B={n_rows} {kw}"
+        if kw.get("eos_token_id") == eos:
+            assert (ref[:, -1] == PAD).any(), "no row finished early: the test would not exercise finished rows"
+        if kw["max_new_tokens"] == 40 and "eos_token_id" not in kw:
+            # new tokens per verify forward over the batch: rows accept multi-token paths
+            assert head.stats.mean_accepted_length > 1.2 * n_rows
+
+
+def test_one_left_padded_row_and_an_unpadded_batch(llama_ngram):
+    target, head = llama_ngram
+    row = prompts(1, seed=5)[0]
+    ids = torch.cat([torch.full((1, 3), PAD), row], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(row)], dim=1)
+    assert torch.equal(dart(target, head, ids, mask, max_new_tokens=20), plain(target, ids, mask, max_new_tokens=20))
+    same = torch.randint(3, 96, (3, 6), generator=torch.Generator().manual_seed(6))  # a batch with no padding
+    assert torch.equal(dart(target, head, same, None, max_new_tokens=15), plain(target, same, None, max_new_tokens=15))
+
+
+@pytest.mark.filterwarnings("ignore:dart_hf. no verify-cost curve")
+@pytest.mark.parametrize("budget", [0, 1, 7, "auto"])
+def test_fixed_budgets_including_plain_steps(llama_ngram, budget):
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(4, seed=11))
+    ref = plain(target, ids, mask, max_new_tokens=25)
+    assert torch.equal(dart(target, head, ids, mask, max_new_tokens=25, dart_node_budget=budget), ref)
+
+
+def test_holes_compacted_often_stay_lossless(llama_ngram, monkeypatch):
+    target, head = llama_ngram
+    compactions = []
+    original = ragged.RaggedCache.compact
+
+    def eager(self):
+        self.min_holes = 1
+        done = original(self)
+        compactions.append(done)
+        return done
+
+    monkeypatch.setattr(ragged.RaggedCache, "compact", eager)
+    ids, mask = left_pad(batch_prompts(5, seed=13))
+    ref = plain(target, ids, mask, max_new_tokens=40)
+    assert torch.equal(dart(target, head, ids, mask, max_new_tokens=40), ref)
+    assert any(compactions), "the cache never compacted: the test did not exercise it"
+
+
+CUDA = torch.cuda.is_available()
+NO_CPU_FLEX = "torch 2.13's CPU flex kernel fails to compile batched masks (plain batched generate fails the same way)"
+ATTNS = ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.skipif(not CUDA, reason=NO_CPU_FLEX))]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attn", ATTNS)
+def test_batched_verify_logits_equal_per_path_forwards(attn):
+    """Each row's tree sees exactly its own committed tokens: left padding and the holes of a commit are masked."""
+    from test_verify import random_tree
+
+    from dart_hf.core.acceptance import accept_greedy_batch
+    from dart_hf.core.target import cache_kwargs
+    from dart_hf.core.tree_batch import TreeBatch
+    from dart_hf.core.verify import verify_batch
+    from transformers import DynamicCache
+
+    device = "cuda" if CUDA else "cpu"
+    target = make_target("qwen3", attn=attn).to(device)
+    rows = [torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(n)).to(device) for n in (9, 1, 4)]
+    ids, mask = (t.to(device) for t in left_pad(rows))
+    cache = DynamicCache(config=target.config)
+    target(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+           **cache_kwargs(target, cache))
+    state = ragged.RaggedCache(cache, mask.bool())
+    texts = [r[0] for r in rows]
+    for step in range(2):
+        trees = TreeBatch.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
+        logits = verify_batch(target, trees, state)
+        for r, tree in enumerate(trees.trees):
+            for i in range(tree.size):
+                path = tree.ancestor_mask[i].nonzero().squeeze(1)
+                seq = torch.cat([texts[r], tree.tokens[path]]).unsqueeze(0)
+                torch.testing.assert_close(logits[r, i], target(input_ids=seq).logits[0, -1], atol=1e-4, rtol=1e-4)
+        acc = accept_greedy_batch(trees, logits)
+        state.commit(acc.paths, acc.lengths)  # rows accept different lengths: holes
+        texts = [torch.cat([texts[r], trees.tokens[r, acc.paths[r, : int(acc.lengths[r])]]]) for r in range(3)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_greedy_batch_on_the_gpu(attn):
+    target = make_target("llama", attn=attn).cuda()
+    head = wide_head(target)
+    rows = batch_prompts(8, seed=53)
+    head.ngram = ngram_from_target(target, [r.cuda() for r in rows])
+    ids, mask = (t.cuda() for t in left_pad(rows))
+    for kw in (dict(max_new_tokens=40), dict(max_new_tokens=30, eos_token_id=[5, 9, 1])):
+        ref = plain(target, ids, mask, **kw)
+        assert torch.equal(dart(target, head, ids, mask, **kw), ref), f"{attn} {kw}"
+
+
+# ---------------------------------------------------------------------------------------------- per-row features
+@pytest.mark.parametrize(
+    "processors",
+    [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10, eos_token_id=[1])],
+)
+def test_logits_processors_per_row(llama_ngram, processors):
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(3, seed=17))
+    ref = plain(target, ids, mask, max_new_tokens=30, **processors)
+    assert torch.equal(dart(target, head, ids, mask, max_new_tokens=30, **processors), ref)
+
+
+def test_processors_that_know_the_batch_index(llama_ngram):
+    """`prefix_allowed_tokens_fn` takes the row's index; repetition penalty holds each row's left padding."""
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(3, seed=47))
+    allowed = lambda batch_id, sent: list(range(3 + batch_id, 96, 2 + batch_id))
+    kw = dict(max_new_tokens=20, prefix_allowed_tokens_fn=allowed, repetition_penalty=1.2)
+    ref = plain(target, ids, mask, **kw)
+    assert torch.equal(dart(target, head, ids, mask, **kw), ref)
+
+
+class StopAfterTokens(StoppingCriteria):
+    def __init__(self, tokens: list[int]):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.isin(input_ids[:, -1], self.tokens)
+
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_custom_stopping_criteria_per_row(llama_ngram, eos):
+    """With EOS configured `generate` pads a stopped row; without, it keeps decoding it until every row stopped."""
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(3, seed=19))
+    free = plain(target, ids, mask, max_new_tokens=40, eos_token_id=None)[:, ids.shape[1] :]
+    crit = StoppingCriteriaList([StopAfterTokens([int(free[r, 3 + 6 * r]) for r in range(3)])])
+    kw = dict(max_new_tokens=40, stopping_criteria=crit, eos_token_id=1 if eos else None)
+    ref = plain(target, ids, mask, **kw)
+    assert ref.shape[1] < ids.shape[1] + 40, "every row must stop for this test to mean much"
+    assert torch.equal(dart(target, head, ids, mask, **kw), ref)
+
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_return_dict_scores_and_logits_in_plain_layout(llama_ngram, eos):
+    """With EOS a finished row's entries after its stop are the target fed pad tokens; without, its own text's."""
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(3, seed=23))
+    free = plain(target, ids, mask, max_new_tokens=20, eos_token_id=None)[:, ids.shape[1] :]
+    crit = StoppingCriteriaList([StopAfterTokens([int(free[r, 3 + 4 * r]) for r in range(3)])])
+    kw = dict(max_new_tokens=20, stopping_criteria=crit, eos_token_id=1 if eos else None, return_dict_in_generate=True,
+              output_scores=True, output_logits=True, repetition_penalty=1.3)
+    ref = plain(target, ids, mask, **kw)
+    out = dart(target, head, ids, mask, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert ref.sequences.shape[1] < ids.shape[1] + 20 and (ref.sequences[0, -1] == PAD) == eos
+    assert len(out.scores) == len(ref.scores) and len(out.logits) == len(ref.logits)
+    for a, b in zip(out.scores + out.logits, ref.scores + ref.logits):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("eos", [True, False])
+def test_streamer_gets_the_columns_plain_generate_gives(llama_ngram, eos):
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(3, seed=29))
+    free = plain(target, ids, mask, max_new_tokens=20, eos_token_id=None)[:, ids.shape[1] :]
+    crit = StoppingCriteriaList([StopAfterTokens([int(free[r, 2 + 5 * r]) for r in range(3)])])
+    kw = dict(max_new_tokens=20, stopping_criteria=crit, eos_token_id=1 if eos else None)
+    ref_stream, out_stream = Collect(), Collect()
+    ref = plain(target, ids, mask, streamer=ref_stream, **kw)
+    assert ref.shape[1] < ids.shape[1] + 20
+    dart(target, head, ids, mask, streamer=out_stream, **kw)
+    assert out_stream.ended and out_stream.chunks == ref_stream.chunks
+
+
+def test_stop_strings_per_row():
+    from test_user_paths import word_tokenizer
+
+    tok = word_tokenizer()
+    target = make_target("llama", vocab_size=len(tok), eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    head = make_head(target)
+    tok.padding_side = "left"
+    enc = tok(["w3 w14 w15 w92 w65 w35", "w7", "w1 w2 w3"], return_tensors="pt", padding=True)
+    free = target.generate(**enc, do_sample=False, max_new_tokens=30)[:, enc.input_ids.shape[1] :]
+    stops = [tok.convert_ids_to_tokens(int(free[0, 8])), tok.convert_ids_to_tokens(int(free[2, 3]))]
+    kw = dict(do_sample=False, max_new_tokens=30, stop_strings=stops, tokenizer=tok)
+    ref = target.generate(**enc, **kw)
+    assert torch.equal(target.generate(**enc, assistant_model=head, **kw), ref)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def test_sampling_same_seed_same_batch(llama_ngram):
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(4, seed=31))
+    kw = dict(attention_mask=mask, assistant_model=head, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=30)
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(target.generate(ids, **kw))
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def biased_walk(tree, logits, context, logits_processor, do_sample):
+    """Accept the first drafted child whenever the target gives it any mass: NOT exact sampling."""
+    from dart_hf.core.acceptance import Accepted
+
+    path, node = [0], 0
+    processed = logits_processor(context.unsqueeze(0), logits[:1].clone())
+    children = ((tree.parents == node) & (torch.arange(tree.size) > 0)).nonzero().view(-1)
+    if children.numel() and processed[0, tree.tokens[children[0]]] > float("-inf"):
+        path.append(int(children[0]))
+        token = tree.tokens[children[0]].view(1)
+    else:
+        token = torch.multinomial(torch.softmax(processed, -1), 1).view(1)
+    return Accepted(path=torch.tensor(path), tokens=token if len(path) == 1 else
+                    torch.cat([token, logits[path[-1]].argmax().view(1)]), scores=processed.expand(len(path), -1),
+                    logits=logits[path])
+
+
+def second_token_counts(target, head, ids, mask, n: int) -> torch.Tensor:
+    """Counts [rows, vocab] of each row's second new token: the first drawn by the acceptance walk, on a tree with
+    children (three new tokens: the first step's tree may hold a child)."""
+    counts = torch.zeros(ids.shape[0], target.config.vocab_size)
+    torch.manual_seed(0)
+    for _ in range(n):
+        out = target.generate(ids, attention_mask=mask, assistant_model=head, do_sample=True, temperature=0.9,
+                              top_k=0, max_new_tokens=3)
+        counts[torch.arange(ids.shape[0]), out[:, ids.shape[1] + 1]] += 1
+    return counts
+
+
+def test_sampling_distribution_per_row(monkeypatch):
+    from test_sampling import CHI2_999, chi2, exact_two_token_marginals
+
+    target = make_target("llama", vocab_size=8, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        target.lm_head.weight.div_(4.0)
+    head = make_head(target, tree_top_k=8, beam_width=4, node_budget=12)
+    rows = [torch.tensor([[3, 5, 7, 1]]), torch.tensor([[6, 2]])]
+    ids, mask = left_pad(rows, pad=0)
+    exact = [exact_two_token_marginals(target, r, temperature=0.9)[1] for r in rows]
+    counts = second_token_counts(target, head, ids, mask, 400)
+    for r in range(2):
+        assert chi2(counts[r], exact[r]) < CHI2_999[7], f"row {r}"
+    monkeypatch.setattr(batch_loop, "_walk", biased_walk)
+    counts = second_token_counts(target, head, ids, mask, 400)
+    assert max(chi2(counts[r], exact[r]) for r in range(2)) > CHI2_999[7], "the test cannot see a biased walk"
+
+
+def test_batch_budget_shrinks_as_the_batch_grows():
+    """The cost-aware rule for batches: n maximising rows * (1 + E[accepted | n]) / curve(rows * (n + 1))."""
+    from dart_hf.core.budget import BudgetPolicy, batch_budget
+    from dart_hf.core.cost import VerifyCost
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    flat_then_linear = VerifyCost(sizes, [0.01 * max(1.0, n / 64) for n in sizes])  # a GPU-like verify curve
+    policy = BudgetPolicy(flat_then_linear, device_type="cuda")
+    assert batch_budget(policy, 4) == policy.largest  # nothing known yet: the largest tree, which informs all
+    for k in range(120):  # the path holds rank r in (5 - r) of 6 steps: E[accepted | 1, 3, 7] = 0.83, 2.0, 2.5
+        policy.observe(policy.largest, list(range(k % 6)))
+    budgets = [batch_budget(policy, rows) for rows in (1, 4, 16, 64)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] >= 7 and budgets[-1] == 0, budgets
+    assert batch_budget(policy, 64, drafting_only=True) > 0
+    assert batch_budget(BudgetPolicy(None, device_type="cpu"), 8) == BudgetPolicy(None, device_type="cpu").largest
+
+
+# ---------------------------------------------------------------------------------------------- refused
+def test_right_padding_is_refused(llama_ngram):
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(2, seed=37))
+    with pytest.raises(ValueError, match="left padding only"):
+        dart(target, head, ids, mask.flip(1), max_new_tokens=4)
+
+
+def test_chain_mode_and_beams_refuse_batches(llama_ngram):
+    target, head = llama_ngram
+    ids, mask = left_pad(batch_prompts(2, seed=41))
+    with pytest.raises(ValueError, match="batch size 1"):
+        dart(target, head, ids, mask, max_new_tokens=4, dart_mode="chain")
+    with pytest.raises(ValueError, match="num_beams=1"):
+        dart(target, head, ids, mask, max_new_tokens=4, num_beams=2)
+
+
+def test_sliding_window_batch_is_refused():
+    target = make_target("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    head = make_head(target)
+    ids, mask = left_pad(batch_prompts(2, seed=43))
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        dart(target, head, ids, mask, max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+def test_pipeline_with_batch_size_equals_plain_pipeline():
+    from transformers import pipeline
+
+    from conftest import make_word_tokenizer
+
+    tok = make_word_tokenizer()
+    target = make_target("llama", vocab_size=len(tok), eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    head = make_head(target)
+    chats = [[{"role": "user", "content": " ".join(f"w{(7 * i + j) % 100}" for j in range(1 + 3 * i))}]
+             for i in range(6)]
+    kw = dict(do_sample=False, max_new_tokens=12, batch_size=4)
+    ref = pipeline("text-generation", model=target, tokenizer=tok)(chats, **kw)
+    head.stats = None
+    out = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=head)(chats, **kw)
+    assert out == ref
+    assert head.stats is not None and head.stats.steps > 0, "the pipeline did not decode with DART"
