@@ -1,7 +1,7 @@
 """Every decoder-only model type transformers ships, as a user would run it: a tiny random target, a fresh head,
 greedy DART in tree mode and in chain mode against plain `generate`.
 
-Each type must do what `dart_hf.tools.targets.MATRIX` (the README's table) says: give plain `generate`'s tokens, or
+Each type must do what `dart_hf.tools.targets.MATRIX` (docs/TARGETS.md's table) says: give plain `generate`'s tokens, or
 be refused with the clear error. A different output is a failure whatever the list says. Types whose own plain
 `generate` fails on the tiny config are skipped, with transformers' error as the reason.
 """
@@ -110,11 +110,11 @@ def test_every_listed_type_is_a_decoder_only_type_of_this_transformers():
     assert sorted(MATRIX) == TYPES
 
 
-def test_readme_lists_the_matrix():
+def test_docs_list_the_matrix():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert markdown() in readme, "README target table is stale: paste `python -m dart_hf.tools.targets` into it"
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "TARGETS.md").read_text(encoding="utf-8")
+    assert markdown() in doc, "docs/TARGETS.md target table is stale: paste `python -m dart_hf.tools.targets` into it"
 
 
 def test_refusal_comes_before_any_work():
