@@ -40,6 +40,9 @@ RECIPES = {
     "base": (BASE, False),
     # + the layer started from the target's last decoder layer
     "base_layer": (replace(BASE, init_layer_from_target=True), False),
+    # today's recipe at a lower / higher peak learning rate (the schedule runs on the same clock)
+    "base_lr3e-4": (replace(BASE, lr=3e-4), False),
+    "base_lr3e-3": (replace(BASE, lr=3e-3), False),
     # + the ShareGPT chats as text (agreement-masked labels) and every position of every sequence
     "text_all": (replace(BASE, anchors_per_sequence=0), True),
     # text, every position, the layer from the target's
