@@ -64,3 +64,15 @@ def test_the_trained_head_loads_with_its_ngram(tmp_path, monkeypatch):
     assert pipeline.run(train_args(corpus, tmp_path / "head")) == 0
     assert json.loads((tmp_path / "head" / "config.json").read_text())["has_ngram"] is True
     assert dart_hf.DartHead.from_pretrained(tmp_path / "head").ngram is not None
+
+
+def test_recipe_flags_reach_the_trainer(tmp_path, monkeypatch):
+    configs = []
+    stub_pipeline(monkeypatch, make_target("llama"), [])
+    stubbed = pipeline.train_head
+    monkeypatch.setattr(pipeline, "train_head", lambda target, data, out, cfg, **k: (configs.append(cfg),
+                                                                                    stubbed(target, data, out, cfg))[1])
+    corpus = tiny_corpus(tmp_path / "corpus", 8)
+    assert pipeline.run(train_args(corpus, tmp_path / "a")) == 0
+    assert pipeline.run(train_args(corpus, tmp_path / "b", "--init-layer-from-target", "--anchors", "0")) == 0
+    assert [(c.init_layer_from_target, c.anchors_per_sequence) for c in configs] == [(False, 48), (True, 0)]
