@@ -6,9 +6,9 @@ computed once per session and shared by the cases that make the same call. Promp
 text varies most (a random target's greedy text often repeats one token). The heads are random; in the cases marked
 (oracle) their draft logits are replaced by noise plus a bump at the reference text's next tokens (`noisy_oracle`, the
 head's forward still runs), so paths of many lengths are accepted and cut off, stops fall inside accepted paths, and
-cases 1 to 3 assert that multi-token paths were accepted. "auto" budgets run the cost-aware policy on a fake clock
-that only target forwards advance (`step_seconds` of their length, the same curve written as the calibrated one), so
-the budgets chosen never depend on the machine's speed.
+those of cases 1 to 3 assert that multi-token paths were accepted. "auto" budgets run the cost-aware policy on a fake
+clock that only target forwards advance (`step_seconds` of their length, the same curve written as the calibrated
+one), so the budgets chosen never depend on the machine's speed.
 
 Cases (pytest ids in brackets):
 
