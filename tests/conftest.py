@@ -1,4 +1,10 @@
-"""Tiny random targets (Llama, Qwen2, Qwen3) and heads for fast CPU tests."""
+"""Tiny random targets and heads for fast CPU tests.
+
+`make_target` / `sliding_target` build a fresh target (for tests that change it); the session fixture `tiny_target`
+hands out one shared target per name (built on first use; tests must not change it): "llama", "qwen2", "qwen3" (the
+TINY shape below), the sliding-window "mistral", "gemma2", "gemma3_text", "gpt_oss", "soft_llama" (a softer
+distribution, for sampling) and "word_llama" (over `stop_word_tokenizer`'s vocabulary, for stop strings and
+pipelines)."""
 
 from __future__ import annotations
 
@@ -54,9 +60,74 @@ def prompts(n: int, vocab: int = TINY["vocab_size"], seed: int = 0) -> list[torc
     return [torch.randint(3, vocab, (1, int(torch.randint(1, 24, (1,), generator=g))), generator=g) for _ in range(n)]
 
 
+SLIDING = ["mistral", "gemma2", "gemma3_text", "gpt_oss"]  # all layers sliding (Mistral), or sliding and full
+SLIDING_WINDOW = 4  # much shorter than prompt + output: the window cuts in every step
+
+
+def sliding_target(model_type: str, attn: str | None = None, window: int = SLIDING_WINDOW, vocab: int = 64,
+                   layers: int = 4, **overrides):
+    """A tiny sliding-window target (`dart_hf.tools.targets.tiny_config`), SDPA where the type has it."""
+    from dart_hf.tools.targets import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(model_type, sliding_window=window, vocab_size=vocab, num_hidden_layers=layers, **overrides)
+    cls = type(AutoModelForCausalLM.from_config(config))  # (tiny: cheap) its class says which attention it has
+    if attn is None:
+        attn = "sdpa" if cls._supports_sdpa else "eager"
+    elif not {"sdpa": cls._supports_sdpa, "flex_attention": cls._supports_flex_attn}.get(attn, True):
+        pytest.skip(f"{model_type} has no {attn} attention")
+    target = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(4.0)
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=target.config).layers}
+    assert "DynamicSlidingWindowLayer" in kinds, f"{model_type}: no sliding layer in the tiny target"
+    return target
+
+
+def soft_target(arch: str = "llama"):
+    """A softer distribution than `make_target`'s: sampling has many outcomes and long trees still accept tokens."""
+    target = make_target(arch)
+    with torch.no_grad():
+        target.lm_head.weight.div_(4.0)
+    return target
+
+
+def word_target():
+    """A tiny Llama over `stop_word_tokenizer`'s vocabulary (EOS 1, padding 0)."""
+    return make_target("llama", vocab_size=len(stop_word_tokenizer()), eos_token_id=1, pad_token_id=0,
+                       bos_token_id=None)
+
+
+def _build_tiny(name: str):
+    if name in CONFIGS:
+        return make_target(name)
+    if name in SLIDING:
+        target = sliding_target(name)
+        target.generation_config.eos_token_id = None  # random greedy text often starts with EOS
+        return target
+    if name == "soft_llama":
+        return soft_target("llama")
+    if name == "word_llama":
+        return word_target()
+    raise KeyError(name)
+
+
 @pytest.fixture(scope="session")
-def llama():
-    return make_target("llama")
+def tiny_target():
+    """tiny_target(name) -> the session's one target of that name (see the module docstring); never change it."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = _build_tiny(name)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_target):
+    return tiny_target("llama")
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +149,11 @@ def make_word_tokenizer() -> PreTrainedTokenizerFast:
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     return tok
+
+
+def stop_word_tokenizer() -> PreTrainedTokenizerFast:
+    """Whole-word tokens, plus "abcdef": the probe `StopStringCriteria` tokenizes to learn how tokens print."""
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *WORDS, "abcdef"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

@@ -1,6 +1,6 @@
 """Cost-aware node budget: counterfactual acceptance, the policy on synthetic curves with a fake clock (no test here
 depends on real timings), `dart-hf calibrate` (measures, checks, writes; `generate` only reads), the visible budget
-state, and lossless auto decoding."""
+state, and what auto decoding reports (its tokens: tests/test_lossless.py)."""
 
 from __future__ import annotations
 
@@ -193,13 +193,13 @@ def test_the_same_rule_picks_one_cpu_thread_on_a_busy_machine_and_all_on_a_quiet
 
 
 def test_fixed_budget_zero_and_the_budget_argument_of_propose():
-    """propose(..., node_budget) builds that tree; budget 0 is the root alone (no head forward)."""
+    """propose(..., node_budget) builds that tree; budget 0 is the root alone (no head forward). (The tokens of
+    these calls: tests/test_lossless.py, test_per_call_budget_and_lookup.)"""
     target = make_target("llama")
     head = make_head(target, node_budget=5)
     ids = prompts(1, seed=4)[0]
     for b in (0, 1, 5):
-        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_node_budget=b)
-        assert torch.equal(out, plain(target, ids, 12)), b
+        target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_node_budget=b)
         assert head.stats["node_budgets"] == [b] * head.stats["steps"]
     assert head.stats["time"].get("draft", 0.0) > 0
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_node_budget=0)
@@ -311,8 +311,7 @@ def test_calibrate_writes_the_curve_that_a_later_run_uses(tmp_path, monkeypatch,
     ids = prompts(1)[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a curve exists: no hint
-        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
-    assert torch.equal(out, plain(target, ids, 12))
+        target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
     policy = budget_policy(head, target)
     assert len(calls) == 1 and policy.curve.path == str(files[0]) and policy.candidates == [0, 1, 3, 7]
 
@@ -375,16 +374,17 @@ def test_budget_state_is_visible_persists_across_calls_and_resets():
     assert budget_policy(head, target) is not policy
 
 
-def test_auto_budget_decoding_is_lossless_and_reports_budgets():
+def test_auto_budget_reports_its_budgets():
+    """Auto decoding reports the budget of every step (warm-up at the largest tree, plain decoding once, then the
+    policy's choices) and the policy's choice; "auto" per call on a fixed-budget head; a fixed budget is reported as
+    before. (Its tokens: tests/test_lossless.py.)"""
     target = make_target("llama")
     write_curve(target)
     texts = prompts(4, seed=7)
     head = head_with_ngram(target, texts, node_budget=None)
     chosen = []
-    for i, ids in enumerate(texts):
-        n = [40, 25, 60, 9][i]
-        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=n)
-        assert torch.equal(out, plain(target, ids, n)), f"prompt {i}: auto budget changed the output"
+    for ids, n in zip(texts, [40, 25, 60, 9]):
+        target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=n)
         stats = head.stats
         assert stats["budget_mode"] == "auto" and len(stats["node_budgets"]) == stats["steps"]
         chosen += stats["node_budgets"]
@@ -393,28 +393,14 @@ def test_auto_budget_decoding_is_lossless_and_reports_budgets():
     assert set(chosen) <= set(policy.candidates) and len(set(chosen)) > 1
     assert head.stats["node_budget"] == policy.choice
     assert default_node_budget(head, target) == max(1, policy.choice)
-    # "auto" on a head with a fixed budget, and the fixed budget still reported as before
     fixed = make_head(target, node_budget=12)
     ids = texts[0]
-    assert torch.equal(target.generate(ids, assistant_model=fixed, do_sample=False, max_new_tokens=20,
-                                       dart_node_budget="auto"), plain(target, ids, 20))
+    target.generate(ids, assistant_model=fixed, do_sample=False, max_new_tokens=20, dart_node_budget="auto")
     assert fixed.stats["budget_mode"] == "auto"
     target.generate(ids, assistant_model=fixed, do_sample=False, max_new_tokens=5)
     assert fixed.stats["node_budget"] == 12 and fixed.stats["node_budgets"] == [12] * fixed.stats["steps"]
     with pytest.raises(ValueError, match="auto"):
         target.generate(ids, assistant_model=fixed, do_sample=False, max_new_tokens=5, dart_node_budget="big")
-
-
-def test_auto_budget_chain_mode_and_sampling_are_lossless():
-    target = make_target("qwen3")
-    head = make_head(target, node_budget=None)
-    ids = prompts(1, seed=2)[0]
-    out = target.generate(ids, assistant_model=head, dart_mode="chain", do_sample=False, max_new_tokens=20)
-    assert torch.equal(out, plain(target, ids, 20))
-    torch.manual_seed(0)
-    ref = target.generate(ids, do_sample=True, max_new_tokens=1)  # sampling runs; exactness is test_sampling's job
-    out = target.generate(ids, assistant_model=head, do_sample=True, max_new_tokens=30)
-    assert out.shape[1] <= ids.shape[1] + 30 and ref.shape[1] == ids.shape[1] + 1
 
 
 # ---------------------------------------------------------------------------------------------------- hot path

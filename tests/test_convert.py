@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import dart_hf
-from conftest import TINY, make_target, prompts
+from conftest import TINY, prompts
 from dart_hf.tools.convert import QWEN3_TARGETS, convert_reference, read_trie
 from dart_hf_cli import main as cli
 
@@ -197,8 +197,8 @@ def reference_draft_logits(sd: dict, cfg: dict, embed: torch.Tensor, aux: torch.
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def qwen3():
-    return make_target("qwen3")
+def qwen3(tiny_target):
+    return tiny_target("qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -18,30 +18,9 @@ def test_matches_f_linear(rows, bias):
     torch.manual_seed(rows)
     w, b = torch.randn(48, 32), torch.randn(48) if bias else None
     x = torch.randn(1, rows, 32)
-    torch.testing.assert_close(few_row_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_output_is_row_major_so_attention_keeps_its_fused_kernel(rows):
-    # a column-major q/k/v makes SDPA on CPU fall back from the flash kernel to the math path (~8 ms of a
-    # 4-token SmolLM2 verify)
-    out = few_row_linear(torch.randn(1, rows, 32), torch.randn(48, 32), None)
-    assert out.is_contiguous()
-    q = out.view(1, rows, 3, 16).transpose(1, 2)
-    with torch.profiler.profile() as prof:
-        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(rows, rows, dtype=torch.bool))
-    kernels = {e.key for e in prof.key_averages()}
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels, kernels
-
-
-def test_uses_the_weight_stationary_product_only_for_few_rows(monkeypatch):
-    calls = []
-    real_mm = torch.mm
-    monkeypatch.setattr(cpu_linear.torch, "mm", lambda a, b: calls.append(b.shape[1]) or real_mm(a, b))
-    w = torch.randn(16, 8)
-    for rows in (1, 2, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 64):
-        few_row_linear(torch.randn(rows, 8), w, None)
-    assert calls == [2, 2, cpu_linear.MAX_ROWS]  # one row is computed as two: MKL's matrix-vector path is slower
+    out = few_row_linear(x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous()  # row-major like F.linear's (a column-major q/k/v slows CPU SDPA down)
 
 
 def test_patches_only_plain_fp32_cpu_linears_and_restores_them():
@@ -57,13 +36,13 @@ def test_patches_only_plain_fp32_cpu_linears_and_restores_them():
 
 
 def test_generate_routes_linears_through_it_and_leaves_them_unpatched(monkeypatch):
+    """(With it, the tokens are plain `generate`'s: every fp32 CPU case of tests/test_lossless.py runs through it.)"""
     target = make_target("llama")
     head = make_head(target)
     rows = []
     real = cpu_linear.few_row_linear
     monkeypatch.setattr(cpu_linear, "few_row_linear", lambda x, w, b: rows.append(x.shape[-2]) or real(x, w, b))
-    out = target.generate(prompts(1)[0], assistant_model=head, do_sample=False, max_new_tokens=8)
-    assert torch.equal(out, target.generate(prompts(1)[0], do_sample=False, max_new_tokens=8))
+    target.generate(prompts(1)[0], assistant_model=head, do_sample=False, max_new_tokens=8)
     assert rows and max(rows) > 1  # tree verify and head forwards went through it
     for m in [*target.modules(), *head.modules()]:
         assert "forward" not in m.__dict__, type(m).__name__

@@ -47,7 +47,8 @@ def test_head_for_another_target_shape(llama, llama_head, mode, change, what):
     with pytest.raises(ValueError, match=what):
         run(other, llama_head, mode=mode)
     # the head still works on its own target afterwards
-    assert run(llama, llama_head, mode=mode).shape[1] == prompts(1, seed=5)[0].shape[1] + 4
+    ids = prompts(1, seed=5)[0]
+    assert torch.equal(run(llama, llama_head, ids, mode=mode), llama.generate(ids, do_sample=False, max_new_tokens=4))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -141,7 +142,8 @@ def test_context_overflow_names_both_numbers(llama, llama_head):
     with pytest.raises(ValueError, match=rf"max_length {limit + 1}\b.*{limit} positions"):
         run(llama, llama_head, max_new_tokens=None, max_length=limit + 1)
     ids = torch.randint(3, TINY["vocab_size"], (1, limit - 5), generator=torch.Generator().manual_seed(0))
-    assert run(llama, llama_head, ids, max_new_tokens=None, max_length=limit).shape[1] == limit  # exactly at the limit
+    out = run(llama, llama_head, ids, max_new_tokens=None, max_length=limit)  # exactly at the limit
+    assert out.shape[1] == limit and torch.equal(out, llama.generate(ids, do_sample=False, max_length=limit))
 
 
 @pytest.mark.parametrize("where", ["right", "middle"])
@@ -152,7 +154,9 @@ def test_padded_input_not_on_the_left(llama, llama_head, where):
     with pytest.raises(ValueError, match="left padding only"):
         run(llama, llama_head, ids, attention_mask=mask)
     # an all-ones mask is fine
-    assert run(llama, llama_head, ids, attention_mask=torch.ones_like(ids)).shape[1] == ids.shape[1] + 4
+    ones = torch.ones_like(ids)
+    assert torch.equal(run(llama, llama_head, ids, attention_mask=ones),
+                       llama.generate(ids, attention_mask=ones, do_sample=False, max_new_tokens=4))
 
 
 def test_unknown_dart_mode(llama, llama_head):

@@ -276,15 +276,6 @@ def test_bf16_head_drafts_close_to_fp32(llama, vocab):
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.6
 
 
-def test_bf16_target_and_head_generate():
-    target = make_target("llama").to(torch.bfloat16)
-    head = make_head(target, draft_length=K)
-    assert head.dtype == torch.bfloat16
-    ids = prompts(1, seed=3)[0]
-    out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
-    assert out.shape == (1, ids.shape[1] + 12) and torch.equal(out[:, : ids.shape[1]], ids)
-
-
 def test_generate_places_the_head_once_and_leaves_nothing_on_it(llama):
     head = make_head(llama).to(torch.bfloat16)
     ids = prompts(1, seed=3)[0]

@@ -30,8 +30,8 @@ CUSTOM_FILES = sorted(hub.custom_generate_sources())
 
 
 @pytest.fixture(scope="module")
-def qwen3():
-    return make_target("qwen3")
+def qwen3(tiny_target):
+    return tiny_target("qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -46,32 +46,21 @@ def test_longest_then_latest_match_wins():
 
 
 def test_generate_uses_it_by_default_and_not_when_told_not_to(monkeypatch):
+    """The head's config switches it, and a call's `dart_prompt_lookup` wins over the config. (The tokens with and
+    without it: tests/test_lossless.py.)"""
     target = make_target("llama")
     head = make_head(target)
     calls = []
     real = prompt_lookup.lookup_for_tree
     monkeypatch.setattr("dart_hf.core.drafter.lookup_for_tree", lambda *a: calls.append(1) or real(*a))
     ids = prompts(1, seed=3)[0]
-    ref = target.generate(ids, do_sample=False, max_new_tokens=12)
-    assert torch.equal(target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12), ref)
+    target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
     assert calls
     calls.clear()
-    out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_prompt_lookup=False)
-    assert torch.equal(out, ref) and not calls
+    target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_prompt_lookup=False)
+    assert not calls
     head.config.prompt_lookup = False
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
     assert not calls
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_prompt_lookup=True)
     assert calls  # the call's setting wins over the config
-
-
-def test_lossless_when_the_lookup_is_always_wrong(monkeypatch):
-    """A lookup that proposes confident garbage costs acceptance, never correctness."""
-    target = make_target("llama")
-    head = make_head(target)
-    head.config.lookup_logp = 0.0
-    garbage = lambda context, length, *a: (torch.full((length,), 5), torch.ones(length, dtype=torch.bool))
-    monkeypatch.setattr("dart_hf.core.drafter.lookup_for_tree", garbage)
-    ids = prompts(1, seed=4)[0]
-    ref = target.generate(ids, do_sample=False, max_new_tokens=16)
-    assert torch.equal(target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=16), ref)

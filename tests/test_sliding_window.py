@@ -6,42 +6,25 @@ layers mixed), with windows much shorter than prompt + output, so the window cut
 - compaction leaves the cache that decoding prefix + path would have left, and decoding continues from it exactly;
 - greedy DART equals plain `generate` token for token with an oracle drafter that gets 1-11 tokens accepted per step
   (deeper than the window) past rejected siblings;
-- sampling: the same seed gives the same tokens, and the first two tokens follow the exact distribution.
+- sampling: the first two tokens follow the exact distribution.
+With the heads' own drafts, greedy and seeded sampling on these targets are cases of tests/test_lossless.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 import dart_hf
-from conftest import prefilled
+from conftest import SLIDING, SLIDING_WINDOW, prefilled, sliding_target
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.runtime import verify_runtime
 from dart_hf.core.tree import DraftTree, ancestor_mask
 from dart_hf.core.verify import compact_cache, verify_tree
 from dart_hf.tools.targets import tiny_config
 
-WINDOW = 4
-SLIDING = ["mistral", "gemma2", "gemma3_text", "gpt_oss"]
-
-
-def sliding_target(model_type: str, attn: str | None = None, window: int = WINDOW, vocab: int = 64, layers: int = 4,
-                   **overrides):
-    torch.manual_seed(0)
-    config = tiny_config(model_type, sliding_window=window, vocab_size=vocab, num_hidden_layers=layers, **overrides)
-    cls = type(AutoModelForCausalLM.from_config(config))  # (tiny: cheap) its class says which attention it has
-    if attn is None:
-        attn = "sdpa" if cls._supports_sdpa else "eager"
-    elif not {"sdpa": cls._supports_sdpa, "flex_attention": cls._supports_flex_attn}.get(attn, True):
-        pytest.skip(f"{model_type} has no {attn} attention")
-    target = AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(4.0)
-    kinds = {type(layer).__name__ for layer in DynamicCache(config=target.config).layers}
-    assert "DynamicSlidingWindowLayer" in kinds, f"{model_type}: no sliding layer in the tiny target"
-    return target
+WINDOW = SLIDING_WINDOW
 
 
 def chain_tree(root: int, truth: list[int], wrong: list[int]) -> DraftTree:
@@ -141,27 +124,6 @@ def test_greedy_equals_plain_generate_with_deep_acceptance(model_type, monkeypat
             dart = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=40, min_new_tokens=40)
         assert torch.equal(dart, plain), f"{model_type}: DART diverged from plain generate"
         assert max(head.stats["accepted_lengths"]) > WINDOW + 1  # accepted paths deeper than the window
-    # and with the head's own drafts (the real tree search), no oracle
-    ids = torch.randint(3, 64, (1, 24), generator=g)
-    plain = target.generate(ids, do_sample=False, max_new_tokens=32)
-    assert torch.equal(target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=32), plain)
-
-
-@pytest.mark.parametrize("model_type", SLIDING)
-def test_sampling_with_the_same_seed_gives_plain_generates_tokens(model_type):
-    """DART samples one token per new position from the target's processed distribution, as plain `generate` does
-    (tests/test_user_paths.py), so the same seed gives the same text; and a second DART call the same again."""
-    target = sliding_target(model_type)
-    target.generation_config.eos_token_id = None
-    head = dart_hf.DartHead.from_target(target, draft_length=3, tree_top_k=16, beam_width=8, node_budget=16).eval()
-    ids = torch.randint(3, 64, (1, 22), generator=torch.Generator().manual_seed(6))
-    gen = dict(do_sample=True, temperature=0.8, top_k=0, max_new_tokens=32)
-    torch.manual_seed(11)
-    plain = target.generate(ids, **gen)
-    for _ in range(2):
-        torch.manual_seed(11)
-        assert torch.equal(target.generate(ids, assistant_model=head, **gen), plain)
-    assert plain.shape[1] == ids.shape[1] + 32
 
 
 CHI2_999_7 = 24.32  # 99.9% quantile, 7 degrees of freedom

@@ -119,9 +119,14 @@ def _imported_by(code: str) -> set[str]:
     return set(out.stdout.split())
 
 
+@pytest.fixture(scope="module")
+def imported_by_dart_hf() -> set[str]:
+    return _imported_by("import dart_hf")  # one fresh interpreter for all the cases below
+
+
 @pytest.mark.parametrize("heavy", ["matplotlib", "gguf", "dart_hf.tools", "dart_hf.training"])
-def test_import_dart_hf_stays_light(heavy: str) -> None:
-    assert heavy not in _imported_by("import dart_hf")
+def test_import_dart_hf_stays_light(imported_by_dart_hf: set[str], heavy: str) -> None:
+    assert "dart_hf" in imported_by_dart_hf and heavy not in imported_by_dart_hf
 
 
 def test_cli_parses_before_importing_torch() -> None:

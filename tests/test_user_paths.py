@@ -1,96 +1,15 @@
-"""The ways users reach DART besides a bare `generate` call: stop strings, pipelines, seeds, per-call stats, and
-what a call leaves behind on the target (nothing)."""
+"""What a call leaves behind: per-call stats in one layout, nothing on the target, only declared state on the head.
+(Stop strings, pipelines and seeds give plain `generate`'s tokens: tests/test_lossless.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AttentionInterface, PreTrainedTokenizerFast, pipeline
+from transformers import AttentionInterface
 from transformers.generation.streamers import BaseStreamer
 
 import dart_hf
-from conftest import WORDS, make_head, make_target, prompts
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """Whole-word tokens, plus "abcdef": the probe `StopStringCriteria` tokenizes to learn how tokens print."""
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *WORDS, "abcdef"])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-@pytest.fixture(scope="module")
-def word_model():
-    tok = word_tokenizer()
-    target = make_target("llama", vocab_size=len(tok), eos_token_id=1, pad_token_id=0, bos_token_id=None)
-    return target, tok, make_head(target)
-
-
-def word_prompt(tok, text: str = "w3 w14 w15 w92 w65 w35") -> torch.Tensor:
-    return tok(text, return_tensors="pt").input_ids
-
-
-# ------------------------------------------------------------------------------------------ stop strings
-def test_stop_strings_with_tokenizer_equal_plain_generate(word_model):
-    target, tok, head = word_model
-    ids = word_prompt(tok)
-    free = target.generate(ids, do_sample=False, max_new_tokens=30)[0, ids.shape[1] :]
-    stop = tok.convert_ids_to_tokens(int(free[10]))  # a word the text really reaches
-    kw = dict(do_sample=False, max_new_tokens=30, stop_strings=[stop], tokenizer=tok)
-    ref = target.generate(ids, **kw)
-    assert ref.shape[1] < ids.shape[1] + 30, "the stop string must end the text early for this test to mean much"
-    assert torch.equal(target.generate(ids, assistant_model=head, **kw), ref)
-
-
-# ------------------------------------------------------------------------------------------ pipelines
-def test_pipeline_with_the_head_at_construction_and_at_call_time(word_model):
-    target, tok, head = word_model
-    kw = dict(do_sample=False, max_new_tokens=12)
-    text = "w3 w14 w15 w92"
-    ref = pipeline("text-generation", model=target, tokenizer=tok)(text, **kw)
-    head.stats = None
-    built = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=head)
-    assert built(text, **kw) == ref
-    assert head.stats is not None and head.stats.steps > 0, "the pipeline did not decode with DART"
-    head.stats = None
-    assert pipeline("text-generation", model=target, tokenizer=tok)(text, assistant_model=head, **kw) == ref
-    assert head.stats is not None and head.stats.steps > 0
-
-
-# ------------------------------------------------------------------------------------------ seeds
-def sample(target, head, ids, seed: int, **kw):
-    torch.manual_seed(seed)
-    return target.generate(ids, assistant_model=head, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=40,
-                           **kw)
-
-
-def soft_target():
-    target = make_target("llama")
-    with torch.no_grad():
-        target.lm_head.weight.div_(4.0)  # a soft distribution: many outcomes, long trees still accept tokens
-    return target
-
-
-def test_same_seed_same_text_whatever_the_node_budget():
-    target = soft_target()
-    head = make_head(target, tree_top_k=8, beam_width=4)
-    ids = prompts(1, seed=41)[0]
-    outs = [sample(target, head, ids, seed=3, dart_node_budget=b) for b in (1, 3, 12, 40, 12)]
-    for out in outs[1:]:
-        assert torch.equal(out, outs[0])
-    assert not torch.equal(sample(target, head, ids, seed=4, dart_node_budget=12), outs[0])  # the seed matters
-
-
-def test_sampling_consumes_the_random_stream_like_plain_generate():
-    """One multinomial per new token over the same distribution: same seed -> the text plain generate samples."""
-    target = soft_target()
-    head = make_head(target, tree_top_k=8, beam_width=4, node_budget=12)
-    for i, ids in enumerate(prompts(4, seed=43)):
-        torch.manual_seed(i)
-        ref = target.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=40)
-        assert torch.equal(sample(target, head, ids, seed=i), ref), f"prompt {i}"
+from conftest import make_head, prompts
 
 
 # ------------------------------------------------------------------------------------------ stats
