@@ -26,8 +26,8 @@ Cases (pytest ids in brackets):
    - max_length instead of max_new_tokens;
    - return_dict_in_generate with output_scores and output_logits: sequences equal; scores and logits close (they
      come from a tree forward instead of a one-token forward).
-   Chain mode with the custom criterion or stop strings is a strict xfail (CHAIN_OVERRUNS): transformers' assisted
-   loop, which chain mode runs, checks stopping criteria once per step and passes over a stop inside a chain.
+   Chain mode refuses the custom criterion and stop strings with a ValueError (CHAIN_REFUSES): transformers' assisted
+   loop, which chain mode runs, checks stopping criteria once per step and would pass over a stop inside a chain.
 3. `test_seeded_sampling[setting-budget]` (oracle): tree mode, a soft target, 32 tokens: the same seed gives plain
    `generate`'s tokens, with temperature 1 / top_k 0 at fixed budgets 1, 3, 12, 40 and auto (the text does not depend
    on the budget), and with temperature 0.7 + top_k 20 + top_p 0.9 and temperature 0.9 + repetition penalty 1.3 at
@@ -246,17 +246,15 @@ SETTINGS = {
     "return_dict": lambda free, **_: dict(return_dict_in_generate=True, output_scores=True, output_logits=True),
 }
 ENDS_EARLY = {"several_eos", "stopping_criteria", "stop_strings"}  # the reference must stop before 30 tokens
-CHAIN_OVERRUNS = ("chain mode is transformers' assisted decoding, which checks stopping criteria once per step on the "
-                  "sequence's end: a custom criterion or stop string met inside an accepted chain is passed over "
-                  "(transformers does the same with any assistant model)")
+# chain mode is transformers' assisted decoding, which checks stopping criteria once per step on the sequence's end
+# and would pass over a stop inside an accepted chain: those calls are refused (the case checks the refusal)
+CHAIN_REFUSES = {"stopping_criteria", "stop_strings"}
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_generation_settings(tiny_target, plain, budget_for, request, setting, mode, budget):
-    if mode == "chain" and setting in ("stopping_criteria", "stop_strings"):
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=CHAIN_OVERRUNS))
+def test_generation_settings(tiny_target, plain, budget_for, setting, mode, budget):
     target, tok = tiny_target("word_llama"), stop_word_tokenizer()
     texts = varied_prompts(plain, "word_llama", 2, len(tok))
     frees = [plain("word_llama", ids, do_sample=False, max_new_tokens=30) for ids in texts]
@@ -266,6 +264,10 @@ def test_generation_settings(tiny_target, plain, budget_for, request, setting, m
         kw = dict(do_sample=False, max_new_tokens=30)
         kw.update(SETTINGS[setting](free[0, ids.shape[1]:].tolist(), plain=plain, ids=ids, tok=tok))
         ref = plain("word_llama", ids, key=f"{setting} {kw.get('stop_strings')}", **kw)
+        if mode == "chain" and setting in CHAIN_REFUSES:
+            with pytest.raises(ValueError, match="assisted decoding"):
+                target.generate(ids, assistant_model=head, dart_mode="chain", **kw)
+            return  # refused before any decoding
         out, lengths = dart(target, head, ids, mode, ref.sequences if setting == "return_dict" else ref, **kw)
         accepted += lengths
         if setting == "return_dict":

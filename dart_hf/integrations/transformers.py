@@ -151,6 +151,20 @@ def _check_chain_batch(args: tuple, kwargs: dict) -> None:
         )
 
 
+def _check_chain_stops(model, kwargs: dict) -> None:
+    """Chain mode is transformers' assisted decoding, which checks stopping criteria and stop strings once per step,
+    on the sequence's end: a stop met inside an accepted chain is passed over and the text runs on (transformers does
+    the same with any assistant). That would be other text than plain `generate`, so it is refused."""
+    config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.get("stop_strings", getattr(config, "stop_strings", None))
+    if kwargs.get("stopping_criteria") or stop_strings:
+        raise ValueError(
+            'DART dart_mode="chain" runs transformers\' assisted decoding, which checks stopping criteria and stop '
+            "strings only at the end of each accepted chain and so can run past a stop plain generate makes; the "
+            'default dart_mode="tree" honours them exactly'
+        )
+
+
 @functools.wraps(_original_generate)
 def _generate(self, *args, assistant_model=None, **kwargs):
     if not isinstance(assistant_model, DartHead):
@@ -163,6 +177,7 @@ def _generate(self, *args, assistant_model=None, **kwargs):
     if mode == "chain":
         check_chain_target(self)
         _check_chain_batch(args, kwargs)
+        _check_chain_stops(self, kwargs)
         return _chain_generate(self, assistant_model, args, kwargs)
     check_tree_target(self)  # before generate prepares anything
     _stop_strings_as_criteria(self, kwargs)  # tree mode: dart_decode checks and places the head (prepare_call)
