@@ -11,9 +11,20 @@ from transformers.generation.streamers import BaseStreamer
 import dart_hf
 from conftest import make_head, make_target, prompts
 from dart_hf.core import batch_loop, ragged
-from test_generate import ngram_from_target, wide_head
 
 PAD = 2
+
+
+def ngram_from_target(target, texts: list[torch.Tensor], new_tokens: int = 64) -> dart_hf.NGramModel:
+    """An n-gram of the target's own greedy text: with it the tree finds multi-token continuations even with a
+    random head (the head only has to put the right first token among the beams)."""
+    seqs = [target.generate(p, do_sample=False, max_new_tokens=new_tokens)[0].tolist() for p in texts]
+    return dart_hf.NGramModel.build(seqs, order=3, vocab_size=target.config.vocab_size, progress=False)
+
+
+def wide_head(target):
+    """A random head whose depth-1 beams cover a third of the tiny vocab (add a target n-gram for long paths)."""
+    return make_head(target, tree_top_k=96, beam_width=32, node_budget=96)
 
 
 def left_pad(rows: list[torch.Tensor], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,9 +262,9 @@ def test_streamer_gets_the_columns_plain_generate_gives(llama_ngram, eos):
 
 
 def test_stop_strings_per_row():
-    from test_user_paths import word_tokenizer
+    from conftest import stop_word_tokenizer
 
-    tok = word_tokenizer()
+    tok = stop_word_tokenizer()
     target = make_target("llama", vocab_size=len(tok), eos_token_id=1, pad_token_id=0, bos_token_id=None)
     head = make_head(target)
     tok.padding_side = "left"
