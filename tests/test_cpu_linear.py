@@ -34,14 +34,24 @@ def test_output_is_row_major_so_attention_keeps_its_fused_kernel(rows):
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels, kernels
 
 
-def test_uses_the_weight_stationary_product_only_for_few_rows(monkeypatch):
+@pytest.mark.parametrize("threads", [2, 1])
+def test_uses_the_weight_stationary_product_only_for_few_rows(monkeypatch, threads):
     calls = []
     real_mm = torch.mm
     monkeypatch.setattr(cpu_linear.torch, "mm", lambda a, b: calls.append(b.shape[1]) or real_mm(a, b))
+    monkeypatch.setattr(cpu_linear.torch, "get_num_threads", lambda: threads)
     w = torch.randn(16, 8)
-    for rows in (1, 2, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 64):
-        few_row_linear(torch.randn(rows, 8), w, None)
-    assert calls == [2, 2, cpu_linear.MAX_ROWS]  # one row is computed as two: MKL's matrix-vector path is slower
+    rows = (1, 2, cpu_linear.ONE_THREAD_MAX_ROWS, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1, 64)
+    for n in rows:
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(few_row_linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    small = [2, 2, cpu_linear.ONE_THREAD_MAX_ROWS]  # one row is computed as two: MKL's matrix-vector path is slower
+    assert calls == small + ([cpu_linear.MAX_ROWS] if threads > 1 else [])
+    calls.clear()  # a large weight (an output projection) keeps the product up to MAX_ROWS on one thread too
+    monkeypatch.setattr(cpu_linear, "LARGE_WEIGHT", w.numel())
+    for n in rows:
+        few_row_linear(torch.randn(n, 8), w, None)
+    assert calls == small + [cpu_linear.MAX_ROWS]
 
 
 def test_patches_only_plain_fp32_cpu_linears_and_restores_them():

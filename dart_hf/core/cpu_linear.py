@@ -27,12 +27,19 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 8
+# On ONE thread the packed kernel already wins from ONE_THREAD_MAX_ROWS + 1 rows for weights that are not large:
+# SmolLM2's 1-token forward of 8 rows took 138 ms with every linear here and 125 ms with only its 28M-element output
+# projection here (F.linear for all: 129 ms; 2 threads: 87 / 101 / 113 ms, so more threads keep MAX_ROWS).
+ONE_THREAD_MAX_ROWS = 4
+LARGE_WEIGHT = 16_000_000  # elements (64 MB in fp32): output projections, bound by streaming the weight
 
 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` when x holds 1..MAX_ROWS rows (one row written twice)."""
+    """`F.linear(x, weight, bias)`, as `(weight @ x.T).T` when x holds 1..MAX_ROWS rows (one row written twice);
+    on one CPU thread, 1..ONE_THREAD_MAX_ROWS rows, or up to MAX_ROWS for a weight of LARGE_WEIGHT elements."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= MAX_ROWS:
+    if not 0 < rows <= MAX_ROWS or (rows > ONE_THREAD_MAX_ROWS and weight.numel() < LARGE_WEIGHT
+                                    and torch.get_num_threads() == 1):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
     if rows == 1:
