@@ -60,6 +60,10 @@ def _bench(sub) -> None:
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: plain plain_cpu_linears prompt_lookup dart_chain dart_tree_<budget> "
                    "dart_tree_auto dart_tree_auto_no_lookup (plain always runs; plain_cpu_linears only on CPU fp32)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B",
+                   help="batch size(s): with any B > 1, plain batched generate and the batched DART methods on "
+                   "left-padded batches of B prompts, per B (default: 1, one prompt at a time; prompts per data set: "
+                   "at least the largest B)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
     p.add_argument("--synthetic", action="store_true",
@@ -89,6 +93,9 @@ def _calibrate(sub) -> None:
     p.add_argument("--past-len", type=int, default=None, help="KV cache length the verify runs after (default: 256)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds per measurement")
     p.add_argument("--json", action="store_true", help="print the stored record as JSON")
+    p.add_argument("--batch", action="store_true",
+                   help="also time batched verifies (1, 2, 4, 8 rows x 1-16 tokens each) against one row of as many "
+                   "tokens and the curve's price (what the batched budget rule assumes); prints, writes nothing")
 
 
 def _regenerate(sub) -> None:

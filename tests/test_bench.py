@@ -176,3 +176,71 @@ def test_the_kernel_matched_reference_runs_its_linears_through_dart_hfs_kernels_
                               warmup=False, progress=False)
     assert list(results["datasets"]["x"]) == ["plain", "prompt_lookup"]
     assert "speedup_vs_matched" not in results["datasets"]["x"]["plain"]
+
+
+def test_batched_bench_compares_every_row_and_reports_per_batch_size(tiny, tmp_path):
+    """`batch_sizes`: plain batched generate and the batch-capable methods on left-padded batches, per batch size;
+    every row compared with plain's; one-row-only methods kept at batch size 1 and noted."""
+    target, head = tiny
+    standard = {m.name: m for m in bench.standard_methods(fixed_budget=[3])}
+    methods = [standard[n] for n in ("plain", "prompt_lookup", "dart_tree_3", "dart_tree_auto")]
+    data = {"humaneval": prompts(3, seed=6), "sharegpt": prompts(4, seed=7)}
+    results = bench.run_bench(target, head, data, max_new_tokens=6, methods=methods, out_dir=tmp_path,
+                              progress=False, batch_sizes=[1, 2, 4])
+    assert results["all_equal"] and results["batch_sizes"] == [1, 2, 4] and "datasets" not in results
+    assert results["meta"]["skipped_for_batches"] == {"prompt_lookup": standard["prompt_lookup"].one_row_only}
+    for ds, ps in data.items():
+        sizes = results["batches"][ds]
+        assert list(sizes) == ["1", "2", "4"]
+        assert list(sizes["1"]) == ["plain", "prompt_lookup", "dart_tree_3", "dart_tree_auto"]
+        for b in ("2", "4"):
+            assert list(sizes[b]) == ["plain", "dart_tree_3", "dart_tree_auto"]
+        for b, rows in sizes.items():
+            batches = -(-len(ps) // int(b))
+            plain = rows["plain"]
+            assert plain["speedup"] == 1.0 and 0 < plain["new_tokens"] <= 6 * len(ps)
+            for name, r in rows.items():
+                assert r["equal_to_plain"] and r["new_tokens"] == plain["new_tokens"] and r["tokens_per_s"] > 0
+                assert len(r["per_prompt"]) == batches
+                assert [e["batch_size"] for e in r["per_prompt"]] == [len(ps[i:i + int(b)]) for i in
+                                                                       range(0, len(ps), int(b))]
+                if name != "plain":  # every row of every batch was compared with plain's
+                    assert sum(e["rows_compared"] for e in r["per_prompt"]) == len(ps)
+            assert rows["dart_tree_3"]["node_budget_counts"] == {3: rows["dart_tree_3"]["steps"]}
+            assert 0 <= rows["dart_tree_auto"]["node_budget_mean"] <= max(bench_policy_candidates(head, target))
+    md = (tmp_path / "results.md").read_text()
+    assert "| 4 | DART tree, budget 3 |" in md and "runs at batch size 1 only" in md and "MISMATCH" not in md
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert bench.exit_status(results) == 0
+
+
+def bench_policy_candidates(head, target):
+    from dart_hf.core.budget import budget_policy
+
+    return budget_policy(head, target).candidates
+
+
+def test_batched_bench_flags_a_broken_row(tiny, tmp_path):
+    target, head = tiny
+
+    def broken_row(t, h, ids, **kw):
+        out = t.generate(ids, **kw).clone()
+        out[1, -1] = (out[1, -1] + 1) % t.config.vocab_size
+        return out
+
+    methods = [bench.standard_methods()[0], bench.Method("broken", "breaks row 1", broken_row)]
+    results = bench.run_bench(target, head, {"x": prompts(2, seed=8)}, max_new_tokens=5, methods=methods,
+                              out_dir=tmp_path, progress=False, warmup=False, batch_sizes=[2])
+    assert not results["all_equal"] and bench.exit_status(results) == bench.MISMATCH_EXIT
+    [m] = results["mismatches"]
+    assert (m["method"], m["batch_size"], m["row"], m["prompt"], m["first_difference"]) == ("broken", 2, 1, 1, 4)
+    assert "batch size 2 batch 0 row 1" in (tmp_path / "results.md").read_text()
+
+
+def test_left_pad_and_new_token_counts():
+    ids, mask = bench.left_pad([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_id=2)
+    assert ids.tolist() == [[5, 6, 7], [2, 2, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    out = torch.tensor([[5, 6, 7, 9, 1, 2], [2, 2, 8, 9, 9, 9]])
+    assert bench.new_token_counts(out, 3, [1]) == [2, 3]  # up to and including the first EOS
+    assert bench.new_token_counts(out, 3, []) == [3, 3]
+    assert parse("--batch-size", "1", "4", "8").batch_size == [1, 4, 8] and parse().batch_size == [1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 import warnings
 
@@ -413,3 +414,146 @@ def test_first_stop_fast_path_matches_token_by_token_check(max_length):
         n_new = int(torch.randint(1, 6, (1,), generator=g))
         slow = next((j for j in range(n_new) if criteria(ids[:, : 10 - n_new + j + 1], None).any()), None)
         assert _first_stop(ids, n_new, criteria, None) == slow
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+def informed_policy(curve: VerifyCost) -> BudgetPolicy:
+    """A policy whose acceptance is known: the path holds rank r in (5 - r) of 6 steps (E[1] = .83, E[3] = 2.0)."""
+    policy = BudgetPolicy(curve, device_type="cpu")
+    for k in range(120):
+        policy.observe(policy.largest, list(range(k % 6)))
+    return policy
+
+
+def test_batch_step_seconds_is_the_scaled_curve_at_rows_times_nodes_plus_every_rows_drafting():
+    """T(R, n) = s(n) * curve(R * (n + 1)) + R * D(n): s from the batched verifies' measured / curve time, D(n) the
+    per-row drafting time of steady batched drafting steps at n (nearest such n where n was not drafted; catch-up
+    steps only where no steady step was seen; 0 before any)."""
+    from dart_hf.core.budget import batch_budget
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    curve = VerifyCost(sizes, [0.050 + 0.001 * n for n in sizes])  # a CPU-like curve: each token adds 1 ms
+    policy = informed_policy(curve)
+    cands = np.asarray(policy.candidates)
+    assert np.allclose(policy.batch_step_seconds(4), curve(4 * (cands + 1)))  # nothing measured: the curve alone
+    policy.observe_batch(4, 3, 16, verify_seconds=2 * curve(16), draft_seconds=4 * 0.010)  # a machine twice as slow
+    policy.observe_batch(4, 0, 4, verify_seconds=2 * curve(4))  # a plain step: the scale only
+    want = 2 * curve(4 * (cands + 1)) + 4 * 0.010 * (cands > 0)  # D(3) = 10 ms stands for every tree size
+    assert np.allclose(policy.batch_step_seconds(4), want)
+    policy.observe_batch(2, 7, 16, verify_seconds=2 * curve(16), draft_seconds=2 * 0.020)
+    d = {b: (0.010 if b <= 3 else 0.020) for b in policy.candidates}  # nearest in log(n + 1): 1, 3 -> 3; 7, 15 -> 7
+    assert np.allclose(policy.batch_step_seconds(8), 2 * curve(8 * (cands + 1)) + 8 * np.array(
+        [d[b] if b else 0.0 for b in policy.candidates]))
+    policy.observe_batch(8, 7, 64, verify_seconds=2 * curve(64), draft_seconds=8 * 0.5, steady=False)  # catch-up
+    policy.observe_batch(8, 1, 16, verify_seconds=2 * curve(16), draft_seconds=8 * 0.5, steady=False)
+    want = 2 * curve(8 * (cands + 1)) + 8 * np.array([d[b] if b else 0.0 for b in policy.candidates])
+    assert np.allclose(policy.batch_step_seconds(8), want)
+    tps = 8 * (1 + policy.expected_accepted()) / want
+    best = int(np.argmax(tps))
+    margin = policy.knobs.batch_margin
+    assert batch_budget(policy, 8) == (policy.candidates[best] if tps[best] >= (1 + margin) * tps[0] else 0)
+    fresh = informed_policy(curve)  # only catch-up steps seen: they stand in (dearer, never cheaper)
+    fresh.observe_batch(8, 1, 16, verify_seconds=curve(16), draft_seconds=8 * 0.5, steady=False)
+    assert np.allclose(fresh.batch_step_seconds(8), curve(8 * (cands + 1)) + 8 * 0.5 * (cands > 0))
+
+
+def test_drafting_cost_sends_a_large_batch_to_plain_decoding():
+    """The verify curve alone keeps drafting at a batch size where every row's head forward makes it a loss; with
+    the measured per-row drafting cost the rule falls back to plain decoding there, and keeps a tree for a small
+    batch. Trees never grow with the batch."""
+    from dart_hf.core.budget import batch_budget
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    curve = VerifyCost(sizes, [0.060 + 0.002 * n for n in sizes])
+    policy = informed_policy(curve)
+    verify_only = [batch_budget(policy, r) for r in (1, 2, 4, 8, 16, 32)]
+    assert verify_only[3] > 0  # at 8 rows the verify curve alone says: draft
+    policy.observe_batch(8, 3, 32, verify_seconds=curve(32), draft_seconds=8 * 0.030)  # 30 ms per row
+    with_drafting = [batch_budget(policy, r) for r in (1, 2, 4, 8, 16, 32)]
+    assert with_drafting[0] > 0 and with_drafting[3] == 0 and with_drafting[-1] == 0, with_drafting
+    assert with_drafting == sorted(with_drafting, reverse=True) and verify_only == sorted(verify_only, reverse=True)
+    assert batch_budget(policy, 32, drafting_only=True) > 0
+
+
+def test_measured_verify_scale_per_tree_size_corrects_the_curves_shape():
+    """A curve that prices 4 tokens per row too cheaply keeps drafting; once the batched verifies at both sizes are
+    measured (each its own scale s(n)), the rule compares measured times and goes plain."""
+    from dart_hf.core.budget import batch_budget
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    curve = VerifyCost(sizes, [0.100 + 0.0015 * n for n in sizes])  # 8 tokens: 112 ms, 32 tokens: 148 ms
+    policy = informed_policy(curve)
+    assert batch_budget(policy, 8) > 0
+    for _ in range(3):  # really: 8 tokens as priced, 32 tokens 2.5x the price; drafting itself free
+        policy.observe_batch(8, 0, 8, verify_seconds=curve(8))
+        policy.observe_batch(8, 3, 32, verify_seconds=2.5 * curve(32), draft_seconds=0.0)
+    scale = policy.batch_scale
+    assert statistics.median(scale[0]) == pytest.approx(1.0) and statistics.median(scale[3]) == pytest.approx(2.5)
+    # tree sizes never measured take the nearest measured tree size's scale, not the plain steps' (cheaper) one
+    assert batch_budget(policy, 8) == 0
+
+
+def test_the_batch_loop_probes_the_other_side_once_in_32_steps():
+    """While the rule says plain decoding one step in 32 drafts (best tree); while it says a tree, one step in 32
+    is plain decoding."""
+    from dart_hf.core.batch_loop import _step_budget
+
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    policy = informed_policy(VerifyCost(sizes, [0.010] * len(sizes)))  # flat: drafting pays
+    seq, probe = [], 0
+    for _ in range(64):
+        budget, probe = _step_budget(policy, 5, 4, probe)
+        seq.append(budget)
+    assert seq.count(0) == 2 and seq[31] == 0 and seq[63] == 0 and min(seq[:31]) > 0
+    steep = informed_policy(VerifyCost(sizes, [0.010 * n for n in sizes]))  # linear from the first token: plain
+    seq, probe = [], 0
+    for _ in range(64):
+        budget, probe = _step_budget(steep, 5, 4, probe)
+        seq.append(budget)
+    assert [i for i, b in enumerate(seq) if b > 0] == [31, 63]
+    assert _step_budget(None, 5, 4, 0) == (5, 0)
+
+
+def test_batch_check_measures_batched_verifies_beside_one_row_of_as_many_tokens():
+    """`dart-hf calibrate --batch`: structure only (no timing is asserted)."""
+    target = make_target("llama")
+    curve = VerifyCost([1, 4, 16], [0.01, 0.012, 0.02])
+    out = calibration.batch_check(target, curve, rows=(1, 2), nodes=(1, 4), repeats=1, past_len=16)
+    assert out["rows"] == [1, 2] and out["nodes"] == [1, 4] and set(out["extra_seconds"]) == {"1,2", "1,8"}
+    table = {(t["rows"], t["nodes"]): t for t in out["table"]}
+    assert set(table) == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    for (r, n), t in table.items():
+        assert t["tokens"] == r * n and t["seconds"] > 0 and t["one_row_seconds"] > 0
+        assert t["curve_seconds"] == pytest.approx(curve(r * n))
+        assert t["vs_one_row"] == pytest.approx(t["seconds"] / t["one_row_seconds"])
+    assert table[(1, 4)]["vs_one_row"] == 1.0
+
+
+def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_drafting_cost(monkeypatch):
+    """A batched "auto" call times its verify forwards and its rows' drafting into the policy (CPU phase times are
+    exact), drafting time only from steady drafting steps (a tree after a tree: the head catches up on nothing),
+    and stays equal to plain batched generate. The step budgets are scripted, so nothing depends on timing."""
+    from dart_hf.core import batch_loop
+    from dart_hf.tools.bench import left_pad
+
+    target = make_target("llama")
+    write_curve(target)  # candidates 0, 1, 3, 7
+    texts = prompts(3, seed=9)
+    head = head_with_ngram(target, texts, node_budget=None)
+    script = [7, 7, 0, 3, 0, 1, 1, 0]
+    monkeypatch.setattr(batch_loop, "_step_budget", lambda policy, fixed, rows, probe: (script[probe % 8], probe + 1))
+    ids, mask = left_pad(texts, pad_id=2)
+    gen = dict(attention_mask=mask, do_sample=False, max_new_tokens=20)
+    out = target.generate(ids, assistant_model=head, **gen)
+    assert torch.equal(out, target.generate(ids, **gen))
+    policy = budget_policy(head, target)
+    budgets = head.stats["node_budgets"]
+    assert len(budgets) >= 8 and budgets == [script[i % 8] for i in range(len(budgets))]
+    assert len(policy.batch_scale_all) == min(len(budgets), policy.knobs.batch_window)
+    assert all(s > 0 for s in policy.batch_scale_all) and all(policy.batch_scale[b] for b in set(budgets))
+    for b in (1, 3, 7):
+        steady = sum(1 for i in range(1, len(budgets)) if budgets[i - 1] > 0 and budgets[i] == b)
+        assert len(policy.batch_draft[b]) == min(steady, policy.knobs.window), b
+        assert len(policy.batch_draft_any[b]) == min(budgets.count(b), policy.knobs.window), b
+    assert not policy.batch_draft[3]  # only ever right after a plain step
+    assert all(d > 0 for b in (1, 7) for d in policy.batch_draft[b])

@@ -150,9 +150,10 @@ def decode_batch(
         stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
         active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
         out_stream.flush(active)
-        probe, budget = 0, node_budget
+        probe, budget, drafted_before = 0, node_budget, False
         while active:
             budget, probe = _step_budget(policy, node_budget, len(active), probe)
+            drafted = _drafting_seconds(timer)
             trees = TreeBatch.stack(
                 [drafters[b].propose(rows.text(b), config.max_length - rows.length(b) - 1, timer, budget)
                  .to(model.device) for b in active],
@@ -176,7 +177,11 @@ def decode_batch(
                     path = step.paths[i, : lengths[i]]
                     drafters[b].advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]])
                 n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
-            if policy is not None and budget > 0:  # acceptance statistics only: batch steps are not timed
+            if policy is not None and timer.exact:  # the batch rule's verify scale and (steady) drafting cost
+                policy.observe_batch(len(trees.trees), budget, trees.tokens.numel(), timer.last["verify"],
+                                     _drafting_seconds(timer) - drafted, steady=drafted_before)
+            drafted_before = budget > 0
+            if policy is not None and budget > 0:  # acceptance per row (a batched step is not a single-row step time)
                 for i, tree in enumerate(trees.trees):
                     path = step.paths[i, : lengths[i]].to(tree.tokens.device)
                     policy.observe(budget, path_ranks(tree, path).tolist())
@@ -236,16 +241,22 @@ def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool
     return accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample)
 
 
+def _drafting_seconds(timer: PhaseTimer) -> float:
+    """Seconds spent so far on head forwards and tree searches (the drafters time their phases into `timer`)."""
+    return timer.totals.get("draft", 0.0) + timer.totals.get("tree", 0.0)
+
+
 def _step_budget(policy: BudgetPolicy | None, fixed: int, rows: int, probe: int) -> tuple[int, int]:
-    """(this step's node budget per row, steps since drafting was last tried). Fixed budgets stay fixed; the
-    cost-aware one follows `budget.batch_budget`, and when that says plain decoding, one step in 32 drafts anyway
-    with the best tree (its acceptance would otherwise never be measured again)."""
+    """(this step's node budget per row, steps since the last probe). Fixed budgets stay fixed; the cost-aware one
+    follows `budget.batch_budget`, and one step in 32 is a probe of the other side: drafting with the best tree when
+    the rule says plain decoding (whose acceptance would otherwise never be measured again), plain decoding when it
+    says draft (so the rule compares two measured verify times, not the curve's guess of one)."""
     if policy is None:
         return fixed, 0
     budget = batch_budget(policy, rows)
-    if budget == 0 and probe >= 31:
-        return batch_budget(policy, rows, drafting_only=True), 0
-    return budget, probe + 1 if budget == 0 else 0
+    if probe >= 31:
+        return (batch_budget(policy, rows, drafting_only=True) if budget == 0 else 0), 0
+    return budget, probe + 1
 
 
 def _append(rows: _Rows, active: list[int], step: BatchAccepted, stopping_criteria: StoppingCriteriaList,

@@ -24,6 +24,15 @@ busy CPU every multi-threaded op waits for its slowest thread, and one thread ca
 
 Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
 decoding and one tree size, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
+
+Batches (`batch_budget`, per step of `batch_loop`): the same E[accepted | n] per row, over a step time modelled
+rather than timed per (rows, n), T(R, n) = s(n) * curve(R * (n + 1)) + R * D(n): the verify of R rows x (n + 1)
+tokens priced as one row of as many tokens (measured within ~15% on a 2-core CPU, `dart-hf calibrate --batch`),
+s(n) the recent batched verifies' measured / predicted time at n (the load now, and the curve's own error there),
+D(n) each row's head forward + tree search as recent batched steps measured it. Every row drafts alone, so D grows
+the step by R * D(n) and large batches fall back to plain decoding first; a tree must promise `batch_margin` more
+than plain decoding. The batch loop keeps both sides measured: one step in 32 drafts while the rule says plain
+decoding, and is plain decoding while it says draft.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ class BudgetKnobs:
     no_curve_budget: int = 3  # the tree size without a calibrated curve, CPU
     no_curve_budget_gpu: int = 31  # ... on other devices (a verify costs about the same up to ~64 tokens)
     try_one_thread: bool = True  # on a multi-threaded CPU, also time steps on one thread (a busy CPU: much faster)
+    batch_window: int = 8  # recent batched steps whose verify time sets the curve's scale (median)
+    batch_margin: float = 0.1  # a batch drafts only when a tree promises this much more than plain decoding
 
 
 def path_ranks(tree: DraftTree, path: torch.Tensor) -> torch.Tensor:
@@ -86,6 +97,12 @@ class BudgetPolicy:
         self.inc = np.zeros(self.largest + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
         self.obs = np.zeros(self.largest + 1)  # obs[b]: (discounted) steps whose budget was >= b
         self.times = {(th, b): deque(maxlen=k.window) for th in self.thread_options for b in self.candidates}
+        # batched steps (`batch_budget`), per budget: measured verify time / the curve's (and over all budgets), and
+        # per-row drafting seconds
+        self.batch_scale = {b: deque(maxlen=k.batch_window) for b in self.candidates}
+        self.batch_scale_all: deque = deque(maxlen=k.batch_window)
+        self.batch_draft = {b: deque(maxlen=k.window) for b in self.candidates[1:]}  # steady drafting steps
+        self.batch_draft_any = {b: deque(maxlen=k.window) for b in self.candidates[1:]}  # any drafting step
         self.steps = 0
         self.choice = self.largest
         self._started: float | None = None
@@ -189,6 +206,48 @@ class BudgetPolicy:
         turns += [(th, self.choice) for th in self.thread_options if th != self.threads]
         return turns[self._probe_turn % len(turns)]
 
+    # -- batched steps
+    def observe_batch(self, rows: int, budget: int, tokens: int, verify_seconds: float, draft_seconds: float = 0.0,
+                      steady: bool = True) -> None:
+        """A batched step of `rows` rows at `budget` nodes per row verified `tokens` tokens (rows x padded tree
+        size) in `verify_seconds` and spent `draft_seconds` on all rows' head forwards and tree searches
+        (`batch_loop`; only where its phase times are exact). steady: a tree right after a tree (the first tree
+        after plain steps has its head catch up on every position since: dearer). Acceptance is observed per row
+        through `observe`."""
+        n = min(self.candidates, key=lambda b: abs(b - budget))
+        if self.curve is not None and verify_seconds > 0 and tokens > 0:
+            ratio = verify_seconds / max(float(self.curve(tokens)), 1e-9)
+            self.batch_scale[n].append(ratio)
+            self.batch_scale_all.append(ratio)
+        if n > 0 and rows > 0:
+            self.batch_draft_any[n].append(draft_seconds / rows)
+            if steady:
+                self.batch_draft[n].append(draft_seconds / rows)
+
+    def batch_step_seconds(self, rows: int) -> np.ndarray:
+        """T(rows, n) per candidate n: s(n) * curve(rows * (n + 1)) + rows * D(n), where s(n) is the median of the
+        recent batched verify forwards' measured / curve seconds at n (a tree size without its own: the nearest
+        measured tree size's, else all sizes'; 1 before any: the machine's load now, and the curve's error at the
+        token counts in use), and D(n) the median per-row drafting
+        seconds of recent steady batched drafting steps at n (else at the nearest such n; without any steady step,
+        of any drafting steps, catch-up included: dearer, never cheaper; 0 before any). n = 0: no drafting."""
+        sizes = np.asarray(self.candidates, dtype=float)
+        overall = statistics.median(self.batch_scale_all) if self.batch_scale_all else 1.0
+        measured = {b: statistics.median(s) for b, s in self.batch_scale.items() if s}
+        trees = [a for a in measured if a > 0]
+        scale = np.array([measured[b] if b in measured else
+                          measured[min(trees, key=lambda a: (abs(np.log((b + 1) / (a + 1))), a))] if b and trees
+                          else overall for b in self.candidates])
+        verify = scale * np.asarray(self.curve(rows * (sizes + 1)), dtype=float)
+        seen = ({b: statistics.median(d) for b, d in self.batch_draft.items() if d}
+                or {b: statistics.median(d) for b, d in self.batch_draft_any.items() if d})
+        draft = np.zeros(len(sizes))
+        for i, b in enumerate(self.candidates):
+            if b > 0 and seen:
+                near = min(seen, key=lambda a: (abs(np.log((b + 1) / (a + 1))), a))
+                draft[i] = seen[near]
+        return verify + rows * draft
+
     def summary(self) -> dict:
         clean = lambda xs: [None if not np.isfinite(x) else round(float(x), 6) for x in xs]
         return {"candidates": self.candidates, "choice": self.choice, "steps": self.steps,
@@ -198,22 +257,30 @@ class BudgetPolicy:
 
 def batch_budget(policy: BudgetPolicy, rows: int, drafting_only: bool = False) -> int:
     """The node budget per row of a batched step of `rows` rows (`dart_hf.core.batch_loop`): the candidate n with
-    the most expected tokens per second of verify, rows * (1 + E[accepted | n]) / curve(rows * (n + 1)), i.e. the
-    calibrated verify curve read at the batch's whole token count. As the batch grows, each row's tree shrinks, down
-    to plain decoding (n = 0) where drafting no longer pays. E[accepted | n] is the policy's (shared with
-    single-row calls, updated by batched steps too); batched steps are not timed, and the head forward, tree search
-    and acceptance are not counted. Before any acceptance is known, and without a curve: the policy's largest tree.
-    drafting_only: the best n > 0."""
+    the most expected tokens per second, rows * (1 + E[accepted | n]) / T(rows, n), where
+
+        T(rows, n) = s(n) * curve(rows * (n + 1)) + rows * D(n)        (`BudgetPolicy.batch_step_seconds`)
+
+    the calibrated single-row verify curve read at the batch's whole token count (a batched verify of R rows x N
+    tokens costs about one row of R * N tokens: `dart-hf calibrate --batch` measures both), scaled by s(n), the
+    recent batched verifies' measured / predicted time at n (the machine's load now, the curve's error there), plus
+    every row's head forward and tree search D(n), as recent batched steps measured it (n = 0 drafts nothing). As
+    the batch grows, each row's tree shrinks, down to plain decoding (n = 0) where drafting no longer pays; a tree
+    must promise `batch_margin` (10%) more than plain decoding, as the model's times and E are each off by up to
+    ~15%. E[accepted | n] is the policy's (shared with single-row calls, updated by batched steps too). Before any
+    acceptance is known, and without a curve: the policy's largest tree. drafting_only: the best n > 0."""
     if policy.curve is None:
         return policy.largest
     expected = policy.expected_accepted()
     if np.isnan(expected[1:]).any():
         return policy.largest  # one step at the largest tree informs every smaller one
-    sizes = np.asarray(policy.candidates, dtype=float)
-    tps = rows * (1.0 + expected) / np.maximum(np.asarray(policy.curve(rows * (sizes + 1))), 1e-9)
+    tps = rows * (1.0 + expected) / np.maximum(policy.batch_step_seconds(rows), 1e-9)
     if drafting_only:
         tps[0] = -np.inf
-    return int(policy.candidates[int(np.argmax(tps))])
+    best = int(np.argmax(tps))
+    if best > 0 and tps[best] < (1.0 + policy.knobs.batch_margin) * tps[0]:
+        return 0
+    return int(policy.candidates[best])
 
 
 class BudgetState:

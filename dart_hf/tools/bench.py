@@ -23,6 +23,14 @@ speedup on a busy machine is a command anyone can rerun. Before any timing (and 
 verify-cost curve is loaded or measured and written (`dart_hf.tools.calibrate`; not written when the measurement
 fails its checks). Writes results.json, results.md and results.png; the exit status is 3 when any output differs.
 
+`--batch-size B [B ...]` (any B > 1) runs the batched bench instead: for each B the prompts of each data set go in
+left-padded batches of B (each data set gets at least max(B) prompts, the same ones for every B), and plain batched
+`generate`, the kernel-matched plain row and the DART tree methods run batch by batch, the batch sizes taking turns;
+every row is compared with plain's. Prompt lookup and chain mode decode one row at a time in transformers, so they
+run at B = 1 only (the report says so). Reported per data set and B: tokens/s (each row's new tokens up to its first
+EOS, over the wall time of the batch's calls), the ratio to plain at the same B, and the DART methods' tree sizes
+per row (`results["batches"]`, results.md, and results.png: tokens/s against B, a panel per data set).
+
 `--synthetic` instead measures, on a CUDA GPU, a random target of Qwen3-8B's shape in bf16: the verify cost by tree
 size and the head + tree-search overhead as a share of a DART step (`examples/gpu_check.sh` runs it).
 """
@@ -67,6 +75,7 @@ class Method:
     run: Callable
     tree: bool = False
     cpu_linears_only: bool = False  # run only where `few_row_linears` changes something (fp32 linears on CPU)
+    one_row_only: str | None = None  # why the method cannot decode a batch (None: it can); skipped at batch size > 1
 
 
 def standard_methods(fixed_budget: int | list[int] = 60, lookup_tokens: int = 10) -> list[Method]:
@@ -75,9 +84,11 @@ def standard_methods(fixed_budget: int | list[int] = 60, lookup_tokens: int = 10
         Method("plain", "generate", lambda t, h, ids, **kw: t.generate(ids, **kw)),
         Method(MATCHED, "generate, dart_hf's CPU linears", _plain_with_cpu_linears, cpu_linears_only=True),
         Method("prompt_lookup", f"prompt lookup ({lookup_tokens})",
-               lambda t, h, ids, **kw: t.generate(ids, prompt_lookup_num_tokens=lookup_tokens, **kw)),
+               lambda t, h, ids, **kw: t.generate(ids, prompt_lookup_num_tokens=lookup_tokens, **kw),
+               one_row_only="transformers' prompt lookup decodes one row at a time"),
         Method("dart_chain", "DART chain (assisted loop)",
-               lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_mode="chain", **kw)),
+               lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_mode="chain", **kw),
+               one_row_only="chain mode runs transformers' assisted loop, which decodes one row at a time"),
         *(_fixed_tree(b) for b in fixed),
         Method("dart_tree_auto", "DART tree, cost-aware budget",
                lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget="auto", **kw), tree=True),
@@ -169,12 +180,19 @@ def run_bench(
     meta: dict | None = None,
     runs: int = 1,
     load: int = 0,
+    batch_sizes: list[int] | None = None,
 ) -> dict:
     """Run every method on every prompt, `runs` times; returns (and, with `out_dir`, writes) the results.
 
     `prompts` maps a data set name to `[1, T]` id tensors. The first method must be "plain": the reference.
     `load`: busy-loop processes running beside the methods (`CompetingLoad`), 0 for none.
+    `batch_sizes`: None or [1] for the single-row bench; otherwise the batched bench (`_batch_pass`): for each batch
+    size B the prompts go in left-padded batches of B, and the results are per data set and batch size
+    (`results["batches"]`).
     """
+    batched = batch_sizes is not None and list(batch_sizes) != [1]
+    if batched and (not batch_sizes or min(batch_sizes) < 1):
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
     methods = methods if methods is not None else standard_methods()
     if not methods or methods[0].name != "plain":
         raise ValueError("the first bench method must be 'plain' (the reference outputs are compared with)")
@@ -190,6 +208,9 @@ def run_bench(
         from .calibrate import calibrate  # the cost-aware budget reads the curve; measure it outside timing
 
         curve, _ = calibrate(target, verbose=progress)
+    if batched:
+        return _run_batched(target, head, prompts, methods, gen, sorted(set(batch_sizes)), out_dir, warmup, progress,
+                            meta, runs, load, curve)
     with CompetingLoad(load) if load else _no_load():
         if warmup:
             first = next(p for ps in prompts.values() for p in ps).to(device)
@@ -267,6 +288,155 @@ def _one_pass(target, head, prompts, methods, gen, progress, label) -> tuple[dic
     finally:
         counter.remove()
     return tallies, mismatches
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, T], attention_mask [B, T]) of `[1, T_i]` prompts, left-padded with `pad_id`: what a tokenizer
+    with padding_side='left' gives for the same chat prompts."""
+    width = max(r.shape[-1] for r in rows)
+    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = r.shape[-1]
+        ids[b, width - n :] = r.reshape(-1)
+        mask[b, width - n :] = 1
+    return ids, mask
+
+
+def new_token_counts(out: torch.Tensor, prompt_len: int, eos_ids) -> list[int]:
+    """Per row: the new tokens up to and including the row's first EOS (all of them without one); what follows is
+    `generate`'s padding of a finished row."""
+    eos = torch.tensor(sorted(eos_ids), dtype=out.dtype, device=out.device) if eos_ids else None
+    counts = []
+    for row in out[:, prompt_len:]:
+        if eos is None:
+            counts.append(row.numel())
+            continue
+        hits = torch.isin(row, eos).nonzero()
+        counts.append(int(hits[0, 0]) + 1 if hits.numel() else row.numel())
+    return counts
+
+
+def _eos_ids(target, gen: dict) -> list[int]:
+    eos = gen.get("eos_token_id", target.generation_config.eos_token_id)
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _run_batched(target, head, prompts, methods, gen, batch_sizes, out_dir, warmup, progress, meta, runs, load,
+                 curve) -> dict:
+    """The batched bench: for every batch size, plain batched `generate` and the methods that decode a batch, run
+    batch by batch (each batch runs every method before the next batch; the batch sizes take turns), outputs
+    compared row by row with plain's."""
+    pad_id = gen.get("pad_token_id", target.generation_config.pad_token_id)
+    if pad_id is None:
+        raise ValueError("the batched bench needs a pad_token_id (generation config) to left-pad the prompts")
+    per_size = {b: [m for m in methods if b == 1 or m.one_row_only is None] for b in batch_sizes}
+    skipped = {m.name: m.one_row_only for m in methods if m.one_row_only and max(batch_sizes) > 1}
+    groups = {ds: {b: [list(range(i, min(i + b, len(ps)))) for i in range(0, len(ps), b)] for b in batch_sizes}
+              for ds, ps in prompts.items()}
+    with CompetingLoad(load) if load else _no_load():
+        if warmup:
+            ps = next(iter(prompts.values()))
+            for b in batch_sizes:
+                ids, mask = left_pad(ps[: b], pad_id)
+                for m in per_size[b]:
+                    m.run(target, head, ids.to(target.device), attention_mask=mask.to(target.device),
+                          **{**gen, "max_new_tokens": min(8, gen["max_new_tokens"])})
+        tallies, mismatches = [], []
+        for run in range(runs):
+            tally, bad = _batch_pass(target, head, prompts, groups, per_size, gen, pad_id, progress,
+                                     f" (run {run + 1}/{runs})" if runs > 1 else "")
+            tallies.append(tally)
+            mismatches += [{**m, "run": run} for m in bad] if runs > 1 else bad
+    results = {
+        "meta": {**_environment(target), **(meta or {}), "max_new_tokens": gen["max_new_tokens"],
+                 "prompts": {ds: len(ps) for ds, ps in prompts.items()}, "runs": runs, "competing_load": load,
+                 "verify_curve": None if curve is None else curve.path, "batch_sizes": batch_sizes,
+                 "skipped_for_batches": skipped},
+        "methods": {m.name: m.label for m in methods},
+        "batch_sizes": batch_sizes,
+        "batches": {ds: {str(b): _summarise([t[(ds, b)] for t in tallies], per_size[b]) for b in batch_sizes}
+                    for ds in prompts},
+        "mismatches": mismatches,
+        "all_equal": not mismatches,
+    }
+    if out_dir is not None:
+        write_reports(results, out_dir)
+    return results
+
+
+def _batch_pass(target, head, prompts, groups, per_size, gen, pad_id, progress, label) -> tuple[dict, list]:
+    """One pass: per data set, the batches of every batch size in turns (batch i of each size, then batch i + 1),
+    every method on each batch. Returns (tallies per (data set, batch size) and method, mismatched rows)."""
+    device = target.device
+    eos = _eos_ids(target, gen)
+    counter = ForwardCounter(target)
+    tallies = {(ds, b): {m.name: _Tally() for m in ms} for ds in prompts for b, ms in per_size.items()}
+    mismatches = []
+    try:
+        for ds, ds_prompts in prompts.items():
+            turns = [(b, i, rows) for i in range(max(len(g) for g in groups[ds].values()))
+                     for b, g in groups[ds].items() if i < len(g) for rows in [g[i]]]
+            for b, i, rows in tqdm(turns, desc=f"bench {ds} batches{label}", unit="batch", disable=not progress):
+                ids, mask = left_pad([ds_prompts[r] for r in rows], pad_id)
+                ids, mask = ids.to(device), mask.to(device)
+                ref = None
+                for m in per_size[b]:
+                    counter.count = 0
+                    _sync(device)
+                    start = time.perf_counter()
+                    out = m.run(target, head, ids, attention_mask=mask, **gen)
+                    _sync(device)
+                    seconds = time.perf_counter() - start
+                    tally = tallies[(ds, b)][m.name]
+                    counts = new_token_counts(out, ids.shape[1], eos)
+                    new = sum(counts)
+                    tally.seconds += seconds
+                    tally.new_tokens += new
+                    tally.forwards += counter.count
+                    entry = {"batch": i, "prompts": rows, "batch_size": len(rows), "prompt_tokens": ids.shape[1],
+                             "new_tokens": new, "seconds": seconds, "forwards": counter.count}
+                    if m.tree:
+                        stats = head.stats
+                        tally.steps += stats["steps"]
+                        for p in PHASES:
+                            tally.phases[p] += stats["time"].get(p, 0.0)
+                        tally.budgets += list(stats.get("node_budgets", []))
+                    if ref is None:
+                        ref, ref_counts = out, counts
+                    else:
+                        bad = _row_differences(out, ref, ids.shape[1])
+                        if bad:
+                            tally.mismatches += 1
+                            entry["mismatched_rows"] = [r for r, _ in bad]
+                        for r, where in bad:
+                            mismatches.append({"dataset": ds, "batch_size": b, "batch": i, "row": r,
+                                               "prompt": rows[r], "method": m.name, "first_difference": where,
+                                               "new_tokens": counts[r], "reference_new_tokens": ref_counts[r]})
+                    entry["rows_compared"] = len(rows) if ref is not out else 0
+                    tally.per_prompt.append(entry)
+    finally:
+        counter.remove()
+    return tallies, mismatches
+
+
+def _row_differences(out: torch.Tensor, ref: torch.Tensor, prompt_len: int) -> list[tuple[int, int]]:
+    """(row, first differing new token) for every row of `out` that differs from the same row of `ref` (a row
+    that is a strict prefix of the other differs at its end)."""
+    bad = []
+    for r in range(max(out.shape[0], ref.shape[0])):
+        if r >= out.shape[0] or r >= ref.shape[0]:
+            bad.append((r, 0))
+            continue
+        a, b = out[r], ref[r]
+        n = min(a.numel(), b.numel())
+        diff = (a[:n] != b[:n]).nonzero()
+        if diff.numel():
+            bad.append((r, int(diff[0, 0]) - prompt_len))
+        elif a.numel() != b.numel():
+            bad.append((r, n - prompt_len))
+    return bad
 
 
 def _summarise(runs: list[dict[str, _Tally]], methods: list[Method]) -> dict:
@@ -347,14 +517,17 @@ def _fmt(x, spec: str = ".2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def markdown_report(results: dict) -> str:
+def _report_head(results: dict) -> list[str]:
     meta = results["meta"]
     lines = ["# dart-hf bench", ""]
     if not results["all_equal"]:
         lines += ["**OUTPUT MISMATCH: some methods did not reproduce plain `generate` (greedy must be identical).**",
                   ""]
-        lines += [f"- {m['method']} on {m['dataset']} prompt {m['prompt']}: first difference at new token "
-                  f"{m['first_difference']} ({m['new_tokens']} vs {m['reference_new_tokens']} new tokens)"
+        lines += [f"- {m['method']} on {m['dataset']} "
+                  + (f"batch size {m['batch_size']} batch {m['batch']} row {m['row']} (prompt {m['prompt']})"
+                     if "batch_size" in m else f"prompt {m['prompt']}")
+                  + f": first difference at new token {m['first_difference']} ({m['new_tokens']} vs "
+                  f"{m['reference_new_tokens']} new tokens)"
                   for m in results["mismatches"]]
         lines.append("")
     else:
@@ -371,6 +544,13 @@ def markdown_report(results: dict) -> str:
                   "runs in parentheses); tokens/s is over all runs.", ""]
     if meta.get("competing_load"):
         lines += [f"Under a competing load of {meta['competing_load']} busy-loop process(es) for the whole bench.", ""]
+    return lines
+
+
+def markdown_report(results: dict) -> str:
+    if "batches" in results:
+        return batch_markdown_report(results)
+    lines = _report_head(results)
     for ds, rows in results["datasets"].items():
         matched = MATCHED in rows
         lines += [f"## {ds}", "", "| method | tokens/s | speedup | "
@@ -399,6 +579,78 @@ def markdown_report(results: dict) -> str:
                 lines.append(f"| {results['methods'][name]} | {r['step_ms']:.1f} | {shares} | {budget} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def batch_markdown_report(results: dict) -> str:
+    """The batched bench's report: per data set, one row per (batch size, method)."""
+    meta = results["meta"]
+    lines = _report_head(results)
+    sizes_text = ", ".join(map(str, meta["batch_sizes"]))
+    lines += [f"Batches: the prompts of each data set in left-padded batches of {sizes_text} rows; every batch runs "
+              "every method before the next batch, the batch sizes take turns. tokens/s: new "
+              "tokens (each row's up to its first EOS) over the wall time of the batch's `generate` calls; vs plain: "
+              "over plain batched `generate` at the same batch size; tree: the mean node budget per row over the "
+              "DART steps (0: a plain decoding step).", ""]
+    for name, why in meta.get("skipped_for_batches", {}).items():
+        lines.append(f"- {results['methods'][name]} runs at batch size 1 only: {why}.")
+    if meta.get("skipped_for_batches"):
+        lines.append("")
+    for ds, sizes in results["batches"].items():
+        lines += [f"## {ds}", "",
+                  "| batch size | method | tokens/s | vs plain | tree (nodes per row) | equal to generate |",
+                  "|---:|---|---:|---:|---|---|"]
+        for b, rows in sizes.items():
+            for name, r in rows.items():
+                equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} batches)**"
+                speedup = f"{_fmt(r['speedup'])}x"
+                if len(r.get("speedup_runs", [])) > 1:
+                    lo, hi = r["speedup_spread"]
+                    speedup = f"{_fmt(r['speedup_median'])}x ({_fmt(lo)}-{_fmt(hi)})"
+                lines.append(f"| {b} | {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | {speedup} | "
+                             f"{_budget_text(r)} | {equal} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _budget_text(r: dict) -> str:
+    if "node_budget_mean" not in r:
+        return ""
+    text = _fmt(r["node_budget_mean"], ".1f")
+    counts = r.get("node_budget_counts") or {}
+    if len(counts) > 1:
+        text += " (" + ", ".join(f"{b}: {c}" for b, c in counts.items()) + ")"
+    return text
+
+
+def plot_batch_results(results: dict, path: str | Path) -> None:
+    """tokens/s against batch size, one line per method, one panel per data set (red x: output differs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(results["batches"])
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6.5 * len(datasets), 4.6), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        sizes = results["batches"][ds]
+        for name, label in results["methods"].items():
+            points = [(int(b), rows[name]) for b, rows in sizes.items() if name in rows]
+            if not points:
+                continue
+            xs = [b for b, _ in points]
+            ax.plot(xs, [r["tokens_per_s"] for _, r in points], marker="o", label=label)
+            bad = [(b, r["tokens_per_s"]) for b, r in points if not r["equal_to_plain"]]
+            if bad:
+                ax.scatter(*zip(*bad), marker="x", color="red", s=80, zorder=5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([int(b) for b in sizes], [str(b) for b in sizes])
+        ax.set_xlabel("batch size (rows)")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{ds} (red x: output differs from generate)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_results(results: dict, path: str | Path) -> None:
@@ -447,7 +699,7 @@ def write_reports(results: dict, out_dir: str | Path) -> dict[str, Path]:
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
     paths["json"].write_text(json.dumps(results, indent=1, default=str))
     paths["md"].write_text(markdown_report(results))
-    plot_results(results, paths["png"])
+    (plot_batch_results if "batches" in results else plot_results)(results, paths["png"])
     return paths
 
 
@@ -626,7 +878,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"dart-hf bench: error: {err}", file=sys.stderr)
         return 2
     head_path = args.head if args.head is not None else str(shipped_head())
-    prompts = {ds: eval_prompts(tokenizer, ds, args.n) for ds in args.datasets}
+    batch_sizes = getattr(args, "batch_size", None) or [1]
+    if min(batch_sizes) < 1:
+        print(f"dart-hf bench: error: --batch-size takes sizes >= 1, got {batch_sizes}", file=sys.stderr)
+        return 2
+    n = max(args.n, *batch_sizes)  # every batch size decodes the same prompts, the largest at least one full batch
+    prompts = {ds: eval_prompts(tokenizer, ds, n) for ds in args.datasets}
     methods = [m for m in standard_methods(fixed_budget=args.budget) if args.methods is None or m.name in
                args.methods or m.name == "plain"]
     if args.runs < 1 or (args.load is not None and args.load < 0):
@@ -635,7 +892,7 @@ def main(args: argparse.Namespace) -> int:
     results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
                         out_dir=args.out, warmup=not args.no_warmup,
                         meta={"head": head_path, "target_name": args.target}, runs=args.runs,
-                        load=args.load or 0)
+                        load=args.load or 0, batch_sizes=None if batch_sizes == [1] else batch_sizes)
     print(markdown_report(results))
     print(f"\nwrote {Path(args.out) / 'results.json'}, results.md, results.png")
     return exit_status(results)
@@ -652,5 +909,6 @@ def exit_status(results: dict) -> int:
 
 
 __all__ = [
-    "Method", "exit_status", "main", "markdown_report", "run_bench", "run_synthetic", "standard_methods",
+    "Method", "exit_status", "left_pad", "main", "markdown_report", "new_token_counts", "run_bench", "run_synthetic",
+    "standard_methods",
 ]

@@ -137,6 +137,98 @@ def measure_verify_cost(target, sizes: Sequence[int] = DEFAULT_SIZES, past_len: 
     return VerifyCost(sizes=sizes, seconds=[statistics.median(t) for t in times], record=record)
 
 
+@torch.no_grad()
+def measure_batch_verify_cost(target, rows: Sequence[int] = (1, 2, 4, 8), nodes: Sequence[int] = (1, 2, 4, 8, 16),
+                              past_len: int = DEFAULT_PAST_LEN, repeats: int = 5, warmup: int = 1, seed: int = 0,
+                              extra: Sequence[tuple[int, int]] = ()) -> dict:
+    """Median seconds of one batched verify forward (`verify_batch`, the forward `batch_loop` runs) over R rows of
+    N tree tokens each (root included), after `past_len` cached tokens per row, for every (R, N): interleaved rounds,
+    as `measure_verify_cost`. Returns {"rows", "nodes", "seconds": [len(rows)][len(nodes)], "past_len", ...};
+    `extra`: more (R, N) pairs timed in the same rounds, in "extra_seconds" {"R,N": seconds}."""
+    from ..core.ragged import RaggedCache
+    from ..core.tree_batch import TreeBatch
+    from ..core.verify import verify_batch
+
+    device = target.device
+    cfg = target.config.get_text_config()
+    rows, nodes = sorted({int(r) for r in rows if r >= 1}), sorted({int(n) for n in nodes if n >= 1})
+    if not rows or not nodes:
+        raise ValueError("measure_batch_verify_cost needs at least one row count and one tree size >= 1")
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(cfg.vocab_size, (max([*rows, *(r for r, _ in extra)]), past_len), generator=g).to(device)
+    pairs = [(r, n) for r in rows for n in nodes] + [(int(r), int(n)) for r, n in extra]
+    setups, caches = {}, {}
+    for r, n in pairs:
+        if r not in caches:
+            cache = DynamicCache(config=target.config)
+            target(input_ids=prompt[:r], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
+            caches[r] = RaggedCache(cache, torch.ones(r, past_len, dtype=torch.bool, device=device))
+        trees = [synthetic_tree(n, device, cfg.vocab_size, seed=seed + 97 * i + n) for i in range(r)]
+        setups[(r, n)] = (caches[r], TreeBatch.stack(trees))
+    started = time.perf_counter()
+
+    def timed(ragged, trees) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        verify_batch(target, trees, ragged)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        ragged.cache.crop(past_len - ragged.cache.get_seq_length())  # negative: drop the tree entries again
+        return elapsed
+
+    times = {key: [] for key in setups}
+    with verify_runtime(target):
+        for _ in range(warmup):
+            for key, setup in setups.items():
+                timed(*setup)
+        for _ in range(repeats):
+            for key, setup in setups.items():
+                times[key].append(timed(*setup))
+    return {
+        "rows": rows,
+        "nodes": nodes,
+        "seconds": [[statistics.median(times[(r, n)]) for n in nodes] for r in rows],
+        "extra_seconds": {f"{r},{n}": statistics.median(times[(int(r), int(n))]) for r, n in extra},
+        "past_len": past_len,
+        "repeats": repeats,
+        "measure_seconds": time.perf_counter() - started,
+        "measured_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def batch_check(target, curve: VerifyCost | None, rows: Sequence[int] = (1, 2, 4, 8),
+                nodes: Sequence[int] = (1, 2, 4, 8, 16), repeats: int = 5, past_len: int | None = None) -> dict:
+    """The batch rule's verify model against measurement: every (R rows, N tokens per row) batched verify, and one
+    row of R * N tokens, timed in the same interleaved rounds (`measure_batch_verify_cost`), next to the stored
+    curve's price curve(R * N). Returns the measurement with "table" (`batch_table`)."""
+    nodes = sorted({int(n) for n in nodes})
+    extra = sorted({(1, r * n) for r in rows for n in nodes if r > 1 and r * n not in nodes})
+    measured = measure_batch_verify_cost(target, rows=rows, nodes=nodes, repeats=repeats, extra=extra,
+                                         past_len=past_len or (curve.record.get("past_len") if curve else None)
+                                         or DEFAULT_PAST_LEN)
+    measured["table"] = batch_table(measured, curve)
+    return measured
+
+
+def batch_table(measured: dict, curve: VerifyCost | None) -> list[dict]:
+    """Per (R, N): the batched verify's seconds, one row of R * N tokens' seconds (same rounds, where measured),
+    the curve's price of R * N tokens, and the batched time over each."""
+    one = {n: s for n, s in zip(measured["nodes"], measured["seconds"][0])} if measured["rows"][0] == 1 else {}
+    one.update({int(k.split(",")[1]): v for k, v in measured.get("extra_seconds", {}).items()
+                if k.split(",")[0] == "1"})
+    table = []
+    for r, row in zip(measured["rows"], measured["seconds"]):
+        for n, sec in zip(measured["nodes"], row):
+            single = one.get(r * n)
+            price = float(curve(r * n)) if curve is not None else None
+            table.append({"rows": r, "nodes": n, "tokens": r * n, "seconds": sec, "one_row_seconds": single,
+                          "curve_seconds": price,
+                          "vs_one_row": sec / single if single else None,
+                          "vs_curve": sec / price if price else None})
+    return table
+
+
 def write_curve(cost: VerifyCost) -> None:
     path = Path(cost.path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +284,10 @@ def run(args: argparse.Namespace) -> int:
               "written. Calibrate again on a quieter machine.", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(cost.to_dict(), indent=1, default=str))
+        out = cost.to_dict()
+        if getattr(args, "batch", False):
+            out["batch_check"] = batch_check(target, cost, repeats=args.repeats)
+        print(json.dumps(out, indent=1, default=str))
         return 0
     key = cost.key or {}
     print(f"verify cost of {key.get('name')} on {key.get('device_name')} ({key.get('dtype')}, "
@@ -204,4 +299,17 @@ def run(args: argparse.Namespace) -> int:
     measured_now = cost.record.get("measured_at", 0) >= started
     state = "measured now" if measured_now else f"cached, measured {cost.record.get('measured_at_utc', '?')}"
     print(f"{state}; stored in {cost.path}")
+    if getattr(args, "batch", False):
+        print_batch_check(batch_check(target, cost, repeats=args.repeats))
     return 0
+
+
+def print_batch_check(measured: dict) -> None:
+    print(f"\nbatched verify (R rows x N tokens each) against one row of R*N tokens timed in the same rounds and "
+          f"the stored curve's curve(R*N); load average {measured.get('load_average')}")
+    print(f"{'R':>3} {'N':>4} {'R*N':>5} {'batch ms':>9} {'1 row ms':>9} {'curve ms':>9} {'/1 row':>7} {'/curve':>7}")
+    ms = lambda x: "n/a" if x is None else f"{1e3 * x:.1f}"
+    ratio = lambda x: "n/a" if x is None else f"{x:.2f}"
+    for t in measured["table"]:
+        print(f"{t['rows']:>3} {t['nodes']:>4} {t['tokens']:>5} {ms(t['seconds']):>9} {ms(t['one_row_seconds']):>9} "
+              f"{ms(t['curve_seconds']):>9} {ratio(t['vs_one_row']):>7} {ratio(t['vs_curve']):>7}")
