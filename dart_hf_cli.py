@@ -121,15 +121,15 @@ def _regenerate(sub) -> None:
 
 def _train(sub) -> None:
     p = _command(sub, "train", "dart_hf.training.pipeline:run",
-                 "train a DART head for a target (features, head, n-gram, evaluation)")
+                 "train a DART head for a target (regenerated answers, head, n-gram, evaluation)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
-    p.add_argument("--out", required=True, help="head folder (checkpoints and features go inside)")
-    p.add_argument("--features", default=None, help="feature shard folder (default: <out>/features)")
+    p.add_argument("--out", required=True,
+                   help="head folder (checkpoints go inside; without --corpus, so does the regenerated <out>/corpus)")
     p.add_argument("--corpus", nargs="+", default=None, metavar="DIR",
-                   help="train on these token corpora (`dart-hf regenerate`, one target's) with online target features "
-                   "instead of regenerating into feature shards (--num-prompts is then unused)")
-    p.add_argument("--loss", choices=("kl", "ce"), default=None,
-                   help="KL to the target distribution (default with --corpus) or CE on its argmax (feature shards)")
+                   help="train on these token corpora (`dart-hf regenerate`, one target's) instead of regenerating "
+                   "answers into <out>/corpus (--num-prompts, --max-new-tokens and --batch-size are then unused)")
+    p.add_argument("--loss", choices=("kl", "ce"), default="kl",
+                   help="KL to the target's next-token distribution (default) or cross-entropy on its argmax")
     p.add_argument("--init", default=None,
                    help="start from this head folder's weights and draft vocabulary (fine-tune on new data)")
     p.add_argument("--widen-draft-vocab", type=int, default=None, metavar="N",
@@ -137,10 +137,12 @@ def _train(sub) -> None:
                    "response tokens it lacks (a head never drafts a token outside it)")
     p.add_argument("--train-batch-size", type=int, default=4, help="sequences per forward and process")
     p.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
-    p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT training prompts to regenerate (0: reuse)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=24)
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype for data")
+    p.add_argument("--num-prompts", type=int, default=1500,
+                   help="ShareGPT training prompts to regenerate into <out>/corpus (0: train on it as it is)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the longest regenerated answer, in tokens")
+    p.add_argument("--batch-size", type=int, default=24, help="prompts per regeneration batch")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="target dtype (on a CPU only regeneration uses it: training and evaluation run in float32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--draft-length", type=int, default=7)
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="0 ties the head to the target lm_head")
@@ -155,7 +157,7 @@ def _train(sub) -> None:
     p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="bf16 autocast for the head (GPU)")
     p.add_argument("--cache-features", action="store_true",
                    help="keep the target's features in memory after their first forward, so later epochs skip the "
-                   "target (token corpora; about (layers read + 1) x hidden size x dtype bytes per corpus token)")
+                   "target (about (layers read + 1) x hidden size x dtype bytes per corpus token)")
     p.add_argument("--no-group-by-length", dest="group_by_length", action="store_false",
                    help="plain shuffled batches instead of length-grouped ones (more padding)")
     p.add_argument("--save-every", type=int, default=200,
@@ -171,9 +173,9 @@ def _ngram(sub) -> None:
     p = _command(sub, "ngram", "dart_hf.training.ngram_corpus:run",
                  "build the n-gram table of a head from ShareGPT + regenerated answers")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
-    p.add_argument("--features", default=None, help="feature shards of `dart-hf train` (regenerated answers)")
     p.add_argument("--corpus", nargs="*", default=[], metavar="DIR",
-                   help="token corpora (`dart-hf regenerate`) whose answers to add, like the feature shards'")
+                   help="token corpora (`dart-hf regenerate`, or the <out>/corpus of `dart-hf train`) whose answers "
+                   "to add")
     p.add_argument("--out", required=True, help="output .safetensors file (e.g. <head>/ngram.safetensors)")
     p.add_argument("--order", type=int, default=3)
     p.add_argument("--min-count", type=int, default=2, help="drop 2..n-grams seen fewer times")

@@ -15,9 +15,10 @@ from dart_hf.core.modeling import DartHead
 from dart_hf.tools.eval_head import chain_accepted_length, depth_agreement, evaluate_head, format_table
 from dart_hf.tools.offline_acceptance import DraftRows, Text
 from dart_hf.training import train as train_module
+from dart_hf.training.batches import AnchorCollator, anchor_positions, label_validity
 from dart_hf.training.corpus import conversation_record, import_conversations, load_corpus
-from dart_hf.training.train import (AnchorCollator, TrainConfig, anchor_positions,
-                                   label_validity, train_head)
+from dart_hf.training.head_init import copy_target_layer, new_head
+from dart_hf.training.train import TrainConfig, train_head
 
 
 def chats(n: int) -> list[list[dict]]:
@@ -144,18 +145,15 @@ def test_eval_head_end_to_end_on_a_tiny_target(tiny):
 
 
 def test_a_head_can_start_from_the_target_last_layer(tiny):
-    from dart_hf.training.train import copy_target_layer, new_head
-
     target, _ = tiny
-    cfg = TrainConfig(draft_length=3, draft_vocab_size=None, init_layer_from_target=True)
-    head = new_head(target, [], cfg, eos_ids=[1])
+    head = new_head(target, [], [1], draft_length=3, draft_vocab_size=None, init_layer_from_target=True)
     theirs, mine, h = target.get_decoder().layers[-1], head.midlayer, head.config.hidden_size
     assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
     assert torch.equal(mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight)
     assert torch.equal(mine.hidden_norm.weight, theirs.input_layernorm.weight)
     assert torch.equal(mine.self_attn.q_proj.weight[:, h:], theirs.self_attn.q_proj.weight)  # the feature half
     assert not torch.equal(mine.self_attn.q_proj.weight[:, :h], theirs.self_attn.q_proj.weight)  # embedding half: fresh
-    fresh = new_head(target, [], TrainConfig(draft_length=3, draft_vocab_size=None), eos_ids=[1])
+    fresh = new_head(target, [], [1], draft_length=3, draft_vocab_size=None)
     assert not torch.equal(fresh.midlayer.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
     narrow = DartHead.from_target(target, draft_length=3, intermediate_size=8)
     with pytest.raises(ValueError, match="differ in shape"):
@@ -163,7 +161,5 @@ def test_a_head_can_start_from_the_target_last_layer(tiny):
 
 
 def test_a_new_head_asks_for_the_cost_aware_budget(tiny):
-    from dart_hf.training.train import new_head
-
     target, _ = tiny
-    assert new_head(target, [], TrainConfig(draft_length=3, draft_vocab_size=None), eos_ids=[1]).config.node_budget is None
+    assert new_head(target, [], [1], draft_length=3, draft_vocab_size=None).config.node_budget is None

@@ -25,8 +25,10 @@ from dart_hf.core.modeling import DartHead
 from dart_hf.training.corpus import CORPUS_FILE, Corpus, Sequence, import_responses, load_corpus, regenerate
 from dart_hf.tools.assets import load_sharegpt
 from dart_hf.training.data import prompt_token_ids, sharegpt_chat_prompts, sharegpt_code_prompts
-from dart_hf.training.train import (TeacherTargets, TrainConfig, batch_loss, kl_terms, load_training_data, new_head,
-                                   target_over_draft, teacher_targets, train_head, widen_draft_vocab)
+from dart_hf.training.batches import training_order
+from dart_hf.training.head_init import new_head, widen_draft_vocab
+from dart_hf.training.teacher import TeacherTargets, batch_loss, kl_terms, target_over_draft, teacher_targets
+from dart_hf.training.train import TrainConfig, load_training_data, train_head
 from dart_hf_cli import build_parser
 from dart_hf_cli import main as cli
 
@@ -53,7 +55,7 @@ def test_regenerate_train_online_kl_evaluate(tiny, tmp_path):
     cfg = TrainConfig(draft_length=3, draft_vocab_size=64, loss="kl", epochs=8, lr=3e-3, batch_size=4,
                       warmup_steps=5, anchors_per_sequence=12, log_every=8, save_every=1000)
     held_out = [torch.tensor([prompt_token_ids(tok, t)]) for t in user_texts(4, 200)]
-    untrained = new_head(target, sequences, cfg, eos_ids=[1]).eval()
+    untrained = new_head(target, sequences, [1], draft_length=3, draft_vocab_size=64).eval()
     before = acceptance_report(target, untrained, held_out, max_new_tokens=16)
     head = train_head(target, tmp_path / "corpus", tmp_path / "head", cfg, eos_ids=[1], device="cpu")
     history = json.loads((tmp_path / "head" / "training_history.json").read_text())["history"]
@@ -184,20 +186,20 @@ def test_teacher_targets_at_distinct_rows_equal_the_per_anchor_computation():
 DP_WORKER = textwrap.dedent('''
     """Train a head on a fixed corpus; record which sequences each process saw (argv: corpus out batch_size)."""
     import json, os, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {root!r}]  # this checkout's dart_hf, whatever the installed one is
     import torch
     torch.set_num_threads(1)
     from conftest import make_target
-    from dart_hf.training import train
+    from dart_hf.training.batches import AnchorCollator
     from dart_hf.training.train import TrainConfig, train_head
 
     corpus, out, batch_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     seen = []
-    call = train.AnchorCollator.__call__
+    call = AnchorCollator.__call__
     def recording(self, places):
         seen.extend(self.order[p] for p in places)
         return call(self, places)
-    train.AnchorCollator.__call__ = recording
+    AnchorCollator.__call__ = recording
     target = make_target("llama", vocab_size=112, eos_token_id=1, pad_token_id=0)
     cfg = TrainConfig(draft_length=2, draft_vocab_size=None, loss="kl", epochs=1, lr=1e-2, warmup_steps=1,
                       batch_size=batch_size, anchors_per_sequence=4, log_every=1, save_every=1000)
@@ -222,7 +224,7 @@ def test_data_parallel_two_processes_match_one_process_on_the_same_global_batch(
     corpus.append([{"prompt": torch.randint(5, 112, (6,), generator=g).tolist(),
                     "response": torch.randint(5, 112, (2 + i * 7 % 10,), generator=g).tolist()} for i in range(16)])
     script = tmp_path / "worker.py"
-    script.write_text(DP_WORKER.format(tests=str(TESTS)))
+    script.write_text(DP_WORKER.format(tests=str(TESTS), root=str(TESTS.parent)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     run = lambda *cmd: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     corpus_dir = str(tmp_path / "corpus")
@@ -320,13 +322,10 @@ def test_cached_features_train_like_fresh_ones_and_skip_the_target_after_the_fir
 
 
 def test_length_grouped_batches_pad_less_and_still_cover_every_sequence_each_epoch():
-    from dart_hf.training.train import _training_order
-
     lengths = [3 + (i * 37) % 200 for i in range(400)]
-    cfg = TrainConfig(epochs=2, batch_size=4)
     padded = {}
     for grouped in (True, False):
-        order = _training_order(lengths, TrainConfig(**{**cfg.__dict__, "group_by_length": grouped}), 4)
+        order = training_order(lengths, epochs=2, global_batch=4, group_by_length=grouped)
         assert sorted(order[:400]) == sorted(order[400:]) == list(range(400))
         assert order[:400] != order[400:]  # a fresh shuffle per epoch
         padded[grouped] = sum(4 * max(lengths[i] for i in order[b : b + 4]) for b in range(0, 800, 4))
@@ -344,7 +343,7 @@ def test_several_corpora_train_as_one_and_corpora_of_another_tokenizer_are_refus
     other.append([{"prompt": [300, 301], "response": [302, 303, 304]}])
     with pytest.raises(ValueError, match="different tokenizers"):
         load_training_data([tmp_path / "a", tmp_path / "other"])
-    with pytest.raises(FileNotFoundError, match="neither a token corpus"):
+    with pytest.raises(FileNotFoundError, match="no token corpus"):
         load_training_data([tmp_path / "a", tmp_path / "missing"])
     target = make_target("llama", vocab_size=112, eos_token_id=1, pad_token_id=0)
     cfg = TrainConfig(draft_length=2, draft_vocab_size=None, epochs=1, batch_size=4, anchors_per_sequence=2)
@@ -357,8 +356,7 @@ def test_widening_the_draft_vocab_keeps_trained_rows_and_maps_new_ones_into_the_
     old = list(range(10, 90))  # 80 rows for a hidden size of 64: the map from target rows to head rows is determined
     response = [150] * 40 + [151] * 30 + [152] * 20 + [153] * 10 + old
     data = [Sequence(torch.tensor([195, 196] + response), 2)]  # prompt tokens 195, 196 must not count
-    head = new_head(target, [Sequence(torch.tensor([5] + old), 1)],
-                    TrainConfig(draft_length=2, draft_vocab_size=80), eos_ids=[]).eval()
+    head = new_head(target, [Sequence(torch.tensor([5] + old), 1)], [], draft_length=2, draft_vocab_size=80).eval()
     to_head_space = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) / 8
     with torch.no_grad():  # "trained": the warm start's target rows moved by a linear map
         head.lm_head.weight.copy_(head.lm_head.weight @ to_head_space)

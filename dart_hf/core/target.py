@@ -61,10 +61,8 @@ class AuxHiddenCapture:
     way). Use as a context manager so the hooks never outlive the decoding call.
     """
 
-    def __init__(self, target: PreTrainedModel, layer_ids: list[int], keep_all: bool = False):
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int]):
         self._captured: list[torch.Tensor | None] = [None] * len(layer_ids)
-        self.keep_all = keep_all  # record every forward (training data), not only the latest (decoding)
-        self.history: list[torch.Tensor] = []
         layers = decoder_layers(target)
         self._handles = [
             layers[i].register_forward_pre_hook(partial(self._record, slot), with_kwargs=True)
@@ -73,8 +71,6 @@ class AuxHiddenCapture:
 
     def _record(self, slot: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._captured[slot] = args[0] if args else kwargs["hidden_states"]
-        if self.keep_all and all(t is not None for t in self._captured):
-            self.history.append(self.take())
 
     def take(self, device: torch.device | None = None) -> torch.Tensor:
         """[B, S, 3 * hidden] for the latest forward's S positions (moved to `device`), then forget them."""

@@ -3,7 +3,7 @@
 Why token ids, not features: captured hidden states cost 3 x hidden x 2 bytes per token (gigabytes for a
 few hundred thousand tokens), so a feature corpus can neither grow across runs nor be published. Token ids
 cost a few MB per million tokens; the trainer recomputes the target's features (and its full next-token
-distribution, for the KL loss) with one no-grad forward per batch (`dart_hf.training.train`).
+distribution, for the KL loss) with one no-grad forward per batch (`dart_hf.training.teacher`).
 
 File layout of a corpus folder:
     corpus.jsonl       {"prompt": [ids], "response": [ids]} per line; the response ends after the first EOS;

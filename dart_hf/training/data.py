@@ -4,9 +4,9 @@ Why regenerate: a draft head is only useful if it predicts what *this target* wi
 own answers come from ChatGPT, whose wording the target does not share; greedy answers from the target
 are exactly the sequences the head will be asked to draft at inference time.
 
-`dart_hf.training.features` regenerates in batches with `generate_batch` and captures the target's hidden
-states during that same generation. Responses stop after the first end-of-sequence token, which is kept (the
-head must learn to draft the stop too).
+`dart_hf.training.corpus.regenerate` regenerates in batches with `generate_batch` and appends the answers to a
+token corpus. Responses stop after the first end-of-sequence token, which is kept (the head must learn to draft the
+stop too).
 """
 
 from __future__ import annotations

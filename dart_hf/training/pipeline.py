@@ -1,14 +1,15 @@
 """`dart-hf train`: target -> regenerated answers -> trained head -> n-gram -> evaluation.
 
-Two data paths. With `--corpus DIR` (a token-id corpus grown by `dart-hf regenerate`), the target's features
-and next-token distribution are computed online per batch and the loss is KL by default: the corpus can grow
-without bound and be shared. Without it, answers are regenerated with their features captured into shards
-(`<out>/features`, cross-entropy only): the small CPU recipe.
+One data path: token-id corpora. With `--corpus DIR ...` (grown by `dart-hf regenerate`) the head trains on those;
+without it, the target's greedy answers to `--num-prompts` ShareGPT training prompts are regenerated into a corpus at
+`<out>/corpus` first (`dart_hf.training.corpus.regenerate`). Either way the target's features and next-token
+distribution are computed online per batch and the loss is KL by default (`--loss ce`: its argmax).
 
-Every stage resumes: feature shards per batch, the trainer from `out/checkpoint/`, and stages whose output
-exists are skipped, so the same command can be rerun after a kill. Runs on a CPU (the default sizes fit a
-2-core machine in about an hour), unchanged on CUDA (`--device cuda`), and data-parallel under
-`accelerate launch` (docs/TRAINING.md).
+Every stage resumes: regeneration per batch (answered prompts are skipped), the trainer from `out/checkpoint/`, and
+stages whose output exists are skipped, so the same command can be rerun after a kill. Runs on a CPU (the default
+sizes regenerate in about 50 minutes on a 2-core machine; training then runs the target once per batch,
+`--cache-features` only in the first epoch), unchanged on CUDA (`--device cuda`), and data-parallel under
+`accelerate launch` on an existing corpus (docs/TRAINING.md).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from ..tools.evaluation import acceptance_report
 from ..core.modeling import DartHead
 from ..core.ngram import FILE_NAME as NGRAM_FILE
 from ..core.ngram import NGramModel
+from .batches import anchor_positions
+from .checkpoint import CHECKPOINT_DIR
+from .corpus import regenerate
 from .data import sharegpt_training_prompts
-from .features import collect_features
 from .ngram_corpus import build_ngram
-from .train import TrainConfig, anchor_positions, load_training_data, train_head
+from .train import TrainConfig, load_training_data, train_head
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             epochs=args.epochs,
             lr=args.lr,
             anchors_per_sequence=args.anchors,
-            loss=args.loss or ("kl" if args.corpus else "ce"),
+            loss=args.loss,
             batch_size=args.train_batch_size,
             grad_accum=args.grad_accum,
             init_from=args.init,
@@ -57,25 +60,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"dart-hf train: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    features = Path(args.features or out / "features")
     try:
         target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     except (OSError, ValueError) as err:  # an unknown target name, or a folder that holds no model
         print(f"dart-hf train: error: {err}", file=sys.stderr)
         return 2
     processes = PartialState()  # several under `accelerate launch`: one trains each share, the main one does the rest
-    if args.corpus:
-        features = [Path(c) for c in args.corpus]  # token corpora: features online
-    elif processes.num_processes > 1:
-        print("dart-hf train: error: data-parallel training reads a token corpus: pass --corpus (dart-hf regenerate)",
-              file=sys.stderr)
+    corpora = [Path(c) for c in args.corpus] if args.corpus else [out / "corpus"]
+    if not args.corpus and processes.num_processes > 1:  # every process would regenerate into the same corpus
+        print("dart-hf train: error: data-parallel training reads an existing token corpus: grow it with "
+              "`dart-hf regenerate`, then pass --corpus", file=sys.stderr)
         return 2
-    elif args.num_prompts > 0:
+    if not args.corpus and args.num_prompts > 0:
         prompts = sharegpt_training_prompts(args.num_prompts)
-        collect_features(target, tokenizer, prompts, features, args.max_new_tokens, args.batch_size)
-    trained = (out / "model.safetensors").exists() and not (out / "checkpoint").exists()
+        regenerate(target, tokenizer, prompts, corpora[0], args.max_new_tokens, args.batch_size)
+    trained = (out / "model.safetensors").exists() and not (out / CHECKPOINT_DIR).exists()
     try:
-        too_few = None if trained else _too_few_for_one_step(features, cfg, processes.num_processes)
+        too_few = None if trained else _too_few_for_one_step(corpora, cfg, processes.num_processes)
     except (OSError, ValueError) as err:  # no data where it was asked for
         too_few = str(err)
     if too_few:  # said before the n-gram is built (tens of seconds), not after
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not (out / NGRAM_FILE).exists() and processes.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        _ngram(tokenizer, target.config.vocab_size, args, features).save(out / NGRAM_FILE)
+        _ngram(tokenizer, target.config.vocab_size, args, corpora).save(out / NGRAM_FILE)
     processes.wait_for_everyone()
     ngram = NGramModel.load(out / NGRAM_FILE)
     if args.device == "cpu":
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if trained:
         head = DartHead.from_pretrained(out)
     else:
-        head = train_head(target, features, out, cfg, eos_ids=eos_ids, device=args.device,
+        head = train_head(target, corpora, out, cfg, eos_ids=eos_ids, device=args.device,
                           evaluate=_curve_evaluator(target, tokenizer, ngram, args), eval_every=args.eval_every)
     head.ngram = ngram
     if processes.is_main_process and not head.config.has_ngram:  # train_head saved the head before it had its n-gram
@@ -112,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _too_few_for_one_step(data: Path | list[Path], cfg: TrainConfig, processes: int) -> str | None:
+def _too_few_for_one_step(corpora: list[Path], cfg: TrainConfig, processes: int) -> str | None:
     """The error `train_head` would raise for data that does not fill one optimizer step, with the flags to change."""
-    sequences = [e for e in load_training_data(data) if anchor_positions(e, 1, random.Random(0))]
+    sequences = [e for e in load_training_data(corpora) if anchor_positions(e, 1, random.Random(0))]
     per_step = cfg.batch_size * processes * cfg.grad_accum
     if sequences and int(cfg.epochs * len(sequences)) < per_step:
         return (f"{len(sequences)} sequences x {cfg.epochs} epochs do not fill one optimizer step of {cfg.batch_size} "
@@ -123,12 +124,10 @@ def _too_few_for_one_step(data: Path | list[Path], cfg: TrainConfig, processes: 
     return None
 
 
-def _ngram(tokenizer, vocab_size: int, args: argparse.Namespace, data: Path | list[Path]) -> NGramModel:
-    """The head's n-gram table: ShareGPT text plus the regenerated answers (shards or token corpus), the
-    latter twice, as `build_ngram` weighs them."""
-    if not args.corpus:
-        return build_ngram(tokenizer, vocab_size, data, min_count=args.ngram_min_count)
-    return build_ngram(tokenizer, vocab_size, min_count=args.ngram_min_count, corpora=data)
+def _ngram(tokenizer, vocab_size: int, args: argparse.Namespace, corpora: list[Path]) -> NGramModel:
+    """The head's n-gram table: ShareGPT text plus the corpora's answers, the latter twice, as `build_ngram` weighs
+    them."""
+    return build_ngram(tokenizer, vocab_size, min_count=args.ngram_min_count, corpora=corpora)
 
 
 def _curve_evaluator(target, tokenizer, ngram: NGramModel, args: argparse.Namespace):
