@@ -72,9 +72,14 @@ def readme_block(heading: str) -> str:
 
 @pytest.mark.slow
 def test_readme_quick_start_runs_verbatim_from_another_folder(tmp_path):
-    """The quick start as a user pastes it, run outside the repository (no relative path may leak in)."""
+    """The quick start and the batches example as a user pastes them, run outside the repository (no relative path
+    may leak in); the batched pipeline with the head gives the pipeline's texts without it."""
     snippet = tmp_path / "snippet.py"
-    snippet.write_text(readme_block("## Quick start (Python)") + 'print("QUICK START OK", out.shape)\n')
+    batches = readme_block("### Batches")  # uses the quick start's target, tok and head
+    check = ('plain = pipeline("text-generation", model=target, tokenizer=tok, batch_size=4)'
+             '(chats, do_sample=False, max_new_tokens=64)\n'
+             'assert generator(chats, do_sample=False, max_new_tokens=64) == plain, "batched pipeline differs"\n')
+    snippet.write_text(readme_block("## Quick start (Python)") + batches + check + 'print("QUICK START OK", out.shape)\n')
     proc = subprocess.run([sys.executable, str(snippet)], capture_output=True, text=True, cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "QUICK START OK" in proc.stdout
