@@ -193,6 +193,21 @@ def test_the_same_rule_picks_one_cpu_thread_on_a_busy_machine_and_all_on_a_quiet
     assert BudgetPolicy(curve).thread_options == [None]  # by default the threads are left alone
 
 
+def test_plain_decoding_is_not_retimed_each_time_its_times_expire():
+    """Where trees clearly pay, plain decoding runs only as paced probes: its expired step times stand until a probe
+    replaces them (re-timing it on every thread count each `max_age` steps cost ~3% of the steps; a 1-thread plain
+    step on a quiet machine is the dearest step there is)."""
+    curve = VerifyCost(SIZES, [0.032, 0.032, 0.036, 0.039, 0.043, 0.047, 0.060, 0.075, 0.090, 0.110, 0.130,
+                               0.155, 0.180, 0.250])
+    clock = FakeClock()
+    knobs = BudgetKnobs(half_life=1e9, max_age=16)
+    policy = BudgetPolicy(curve, knobs, clock=clock, threads=(2, 1))
+    quiet = lambda b: (0.034 if b == 0 else 0.012 + curve(b + 1)) * (1.6 if policy.threads == 1 else 1.0)
+    chosen = simulate(policy, clock, quiet, INCREMENTS, 800)
+    late = chosen[100:]
+    assert policy.choice > 0 and late.count(0) <= 0.01 * len(late), late.count(0)  # 700 / 16 * 2 = 87 before
+
+
 def test_fixed_budget_zero_and_the_budget_argument_of_propose():
     """propose(..., node_budget) builds that tree; budget 0 is the root alone (no head forward). (The tokens of
     these calls: tests/test_lossless.py, test_per_call_budget_and_lookup.)"""

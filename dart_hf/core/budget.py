@@ -10,8 +10,9 @@ T(B): this run's own wall time of whole steps at B (`clock`), the median of the 
 steps, so a busy machine shows as it happens and a time measured under another load expires. A tree size without
 such times is priced from the nearest one with them through the verify curve (`dart_hf.core.cost`),
 T(A) + curve(B + 1) - curve(A + 1): cheap rather than dear on a busy machine, and a budget priced too cheaply is
-chosen, timed and corrected. Plain decoding (no head, no search) is timed, never priced; when no tree size has
-recent times, the older ones stand.
+chosen, timed and corrected. Plain decoding (no head, no search) is timed, never priced; its last times stand until
+a probe replaces them (re-timing it whenever they expired cost a plain step per thread count every `max_age` steps),
+and when no tree size has recent times, the older ones stand.
 
 Steps that are not the choice, each to learn what the choice cannot show: the first `warmup_steps` run the largest
 candidate (it informs every smaller one); plain decoding runs once; then probes, in turn the candidate above the
@@ -150,6 +151,8 @@ class BudgetPolicy:
                  for b in self.candidates}
         if not any(fresh[b] for b in self.candidates[1:]):  # no recent tree: older times stand
             fresh.update({b: [s for _, s in self.times[(th, b)]] for b in self.candidates[1:]})
+        if not fresh[0]:  # plain decoding's last times stand until a probe replaces them (it is never priced)
+            fresh[0] = [s for _, s in self.times[(th, 0)]]
         timed = {b: statistics.median(t) for b, t in fresh.items() if t}
         out = np.full(len(self.candidates), np.nan)
         for i, b in enumerate(self.candidates):

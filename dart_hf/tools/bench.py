@@ -257,25 +257,12 @@ def _one_pass(target, head, prompts, methods, gen, progress, label) -> tuple[dic
                 ids = ids.to(device)
                 ref = None
                 for m in methods:
-                    counter.count = 0
-                    _sync(device)
-                    start = time.perf_counter()
-                    out = m.run(target, head, ids, attention_mask=torch.ones_like(ids), **gen)
-                    _sync(device)
-                    seconds = time.perf_counter() - start
                     tally = tallies[ds][m.name]
+                    out, seconds = _timed_run(m, target, head, ids, torch.ones_like(ids), gen, counter, tally)
                     new = out.shape[1] - ids.shape[1]
-                    tally.seconds += seconds
                     tally.new_tokens += new
-                    tally.forwards += counter.count
                     row = {"prompt": i, "prompt_tokens": ids.shape[1], "new_tokens": new, "seconds": seconds,
                            "forwards": counter.count}
-                    if m.tree:
-                        stats = head.stats
-                        tally.steps += stats["steps"]
-                        for p in PHASES:
-                            tally.phases[p] += stats["time"].get(p, 0.0)
-                        tally.budgets += list(stats.get("node_budgets", []))
                     if ref is None:
                         ref = out
                     elif not torch.equal(out, ref):
@@ -288,6 +275,26 @@ def _one_pass(target, head, prompts, methods, gen, progress, label) -> tuple[dic
     finally:
         counter.remove()
     return tallies, mismatches
+
+
+def _timed_run(m: Method, target, head, ids, mask, gen: dict, counter, tally) -> tuple[torch.Tensor, float]:
+    """(output, wall seconds) of one method call with device syncs around it; adds its time, target forwards and (for
+    DART tree methods) its steps, phase times and node budgets to `tally`."""
+    counter.count = 0
+    _sync(ids.device)
+    start = time.perf_counter()
+    out = m.run(target, head, ids, attention_mask=mask, **gen)
+    _sync(ids.device)
+    seconds = time.perf_counter() - start
+    tally.seconds += seconds
+    tally.forwards += counter.count
+    if m.tree:
+        stats = head.stats
+        tally.steps += stats["steps"]
+        for p in PHASES:
+            tally.phases[p] += stats["time"].get(p, 0.0)
+        tally.budgets += list(stats.get("node_budgets", []))
+    return out, seconds
 
 
 # ---------------------------------------------------------------------------------------------------- batches
@@ -383,26 +390,13 @@ def _batch_pass(target, head, prompts, groups, per_size, gen, pad_id, progress, 
                 ids, mask = ids.to(device), mask.to(device)
                 ref = None
                 for m in per_size[b]:
-                    counter.count = 0
-                    _sync(device)
-                    start = time.perf_counter()
-                    out = m.run(target, head, ids, attention_mask=mask, **gen)
-                    _sync(device)
-                    seconds = time.perf_counter() - start
                     tally = tallies[(ds, b)][m.name]
+                    out, seconds = _timed_run(m, target, head, ids, mask, gen, counter, tally)
                     counts = new_token_counts(out, ids.shape[1], eos)
                     new = sum(counts)
-                    tally.seconds += seconds
                     tally.new_tokens += new
-                    tally.forwards += counter.count
                     entry = {"batch": i, "prompts": rows, "batch_size": len(rows), "prompt_tokens": ids.shape[1],
                              "new_tokens": new, "seconds": seconds, "forwards": counter.count}
-                    if m.tree:
-                        stats = head.stats
-                        tally.steps += stats["steps"]
-                        for p in PHASES:
-                            tally.phases[p] += stats["time"].get(p, 0.0)
-                        tally.budgets += list(stats.get("node_budgets", []))
                     if ref is None:
                         ref, ref_counts = out, counts
                     else:
