@@ -554,12 +554,8 @@ def markdown_report(results: dict) -> str:
         for name, r in rows.items():
             equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} prompts)**"
             vs_matched = f"{_fmt(r.get('speedup_vs_matched'))}x | " if matched else ""
-            speedup = f"{_fmt(r['speedup'])}x"
-            if len(r.get("speedup_runs", [])) > 1:
-                lo, hi = r["speedup_spread"]
-                speedup = f"{_fmt(r['speedup_median'])}x ({_fmt(lo)}-{_fmt(hi)})"
             lines.append(f"| {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                         f"{speedup} | {vs_matched}{_fmt(r['accepted_length'])} | {equal} |")
+                         f"{_speedup_text(r)} | {vs_matched}{_fmt(r['accepted_length'])} | {equal} |")
         tree_rows = {n: r for n, r in rows.items() if "phase_share" in r}
         if tree_rows:
             lines += ["", "Where a DART tree step's time goes (share of the average step; prefill excluded):", "",
@@ -567,10 +563,8 @@ def markdown_report(results: dict) -> str:
                       "|---|---:|" + "---:|" * len(PHASES) + "---|"]
             for name, r in tree_rows.items():
                 shares = " | ".join(f"{100 * r['phase_share'][p]:.0f}% ({r['phase_ms'][p]:.1f} ms)" for p in PHASES)
-                budget = _fmt(r.get("node_budget_mean"), ".1f")
-                if r.get("node_budget_counts") and len(r["node_budget_counts"]) > 1:
-                    budget += " (" + ", ".join(f"{b}: {c}" for b, c in r["node_budget_counts"].items()) + ")"
-                lines.append(f"| {results['methods'][name]} | {r['step_ms']:.1f} | {shares} | {budget} |")
+                lines.append(f"| {results['methods'][name]} | {r['step_ms']:.1f} | {shares} | "
+                             f"{_budget_text(r) or 'n/a'} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -596,17 +590,23 @@ def batch_markdown_report(results: dict) -> str:
         for b, rows in sizes.items():
             for name, r in rows.items():
                 equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} batches)**"
-                speedup = f"{_fmt(r['speedup'])}x"
-                if len(r.get("speedup_runs", [])) > 1:
-                    lo, hi = r["speedup_spread"]
-                    speedup = f"{_fmt(r['speedup_median'])}x ({_fmt(lo)}-{_fmt(hi)})"
-                lines.append(f"| {b} | {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | {speedup} | "
+                lines.append(f"| {b} | {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | "
+                             f"{_speedup_text(r)} | "
                              f"{_budget_text(r)} | {equal} |")
         lines.append("")
     return "\n".join(lines)
 
 
+def _speedup_text(r: dict) -> str:
+    """The speed-up over plain; over several runs, their median with the runs' min-max."""
+    if len(r.get("speedup_runs", [])) > 1:
+        lo, hi = r["speedup_spread"]
+        return f"{_fmt(r['speedup_median'])}x ({_fmt(lo)}-{_fmt(hi)})"
+    return f"{_fmt(r['speedup'])}x"
+
+
 def _budget_text(r: dict) -> str:
+    """The mean node budget per step, with the steps per budget where there were several ("" for no DART steps)."""
     if "node_budget_mean" not in r:
         return ""
     text = _fmt(r["node_budget_mean"], ".1f")
