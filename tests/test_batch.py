@@ -339,7 +339,8 @@ def test_sampling_distribution_per_row(monkeypatch):
 def test_batch_budget_shrinks_as_the_batch_grows():
     """The cost-aware rule for batches: n maximising rows * (1 + E[accepted | n]) / T(rows, n), T the verify curve
     at rows * (n + 1) tokens before any batched step is measured (tests/test_budget.py: with measured steps)."""
-    from dart_hf.core.budget import BudgetPolicy, batch_budget
+    from dart_hf.core.batch_budget import batch_budget
+    from dart_hf.core.budget import BudgetPolicy
     from dart_hf.core.cost import VerifyCost
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]

@@ -39,7 +39,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, BatchAccepted, accept_greedy_batch, accept_walk
-from .budget import BudgetPolicy, batch_budget, path_ranks
+from .batch_budget import batch_budget
+from .budget import BudgetPolicy, path_ranks
 from .drafter import DartDrafter
 from .modeling import DartHead
 from .ragged import RaggedCache
@@ -178,7 +179,7 @@ def decode_batch(
                     drafters[b].advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]])
                 n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
             if policy is not None and timer.exact:  # the batch rule's verify scale and (steady) drafting cost
-                policy.observe_batch(len(trees.trees), budget, trees.tokens.numel(), timer.last["verify"],
+                policy.batch_times.observe(len(trees.trees), budget, trees.tokens.numel(), timer.last["verify"],
                                      _drafting_seconds(timer) - drafted, steady=drafted_before)
             drafted_before = budget > 0
             if policy is not None and budget > 0:  # acceptance per row (a batched step is not a single-row step time)
@@ -248,7 +249,7 @@ def _drafting_seconds(timer: PhaseTimer) -> float:
 
 def _step_budget(policy: BudgetPolicy | None, fixed: int, rows: int, probe: int) -> tuple[int, int]:
     """(this step's node budget per row, steps since the last probe). Fixed budgets stay fixed; the cost-aware one
-    follows `budget.batch_budget`, and one step in 32 is a probe of the other side: drafting with the best tree when
+    follows `batch_budget.batch_budget`, and one step in 32 is a probe of the other side: drafting with the best tree when
     the rule says plain decoding (whose acceptance would otherwise never be measured again), plain decoding when it
     says draft (so the rule compares two measured verify times, not the curve's guess of one)."""
     if policy is None:

@@ -16,24 +16,18 @@ and when no tree size has recent times, the older ones stand.
 
 Steps that are not the choice, each to learn what the choice cannot show: the first `warmup_steps` run the largest
 candidate (it informs every smaller one); plain decoding runs once; then probes, in turn the candidate above the
-choice and plain decoding (when plain decoding is the choice: the best tree). A probe waits until `probe_share` of
-the time at the choice since the last probe exceeds its expected loss, T(p) - (1 + E[accepted | p]) / tps(choice):
+choice, the runner-up tree (priced through a curve measured under another load, it can be off by more than the
+candidates differ) and plain decoding (when plain decoding is the choice: the best tree). A probe waits until
+`probe_share` of the time at the choice since the last probe exceeds its expected loss, T(p) - (1 + E[accepted | p]) / tps(choice):
 close alternatives are probed often, clearly worse ones rarely. So when drafting stops paying, decoding goes plain
 and tries a tree again later. On a multi-threaded CPU the same rule picks the steps' thread count too
-(`try_one_thread`): times are kept per (threads, budget) and a third probe runs the choice on the other count (on a
+(`try_one_thread`): times are kept per (threads, budget) and one more probe runs the choice on the other count (on a
 busy CPU every multi-threaded op waits for its slowest thread, and one thread can be several times faster).
 
 Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
 decoding and one tree size, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
 
-Batches (`batch_budget`, per step of `batch_loop`): the same E[accepted | n] per row, over a step time modelled
-rather than timed per (rows, n), T(R, n) = s(n) * curve(R * (n + 1)) + R * D(n): the verify of R rows x (n + 1)
-tokens priced as one row of as many tokens (measured within ~15% on a 2-core CPU, `dart-hf calibrate --batch`),
-s(n) the recent batched verifies' measured / predicted time at n (the load now, and the curve's own error there),
-D(n) each row's head forward + tree search as recent batched steps measured it. Every row drafts alone, so D grows
-the step by R * D(n) and large batches fall back to plain decoding first; a tree must promise `batch_margin` more
-than plain decoding. The batch loop keeps both sides measured: one step in 32 drafts while the rule says plain
-decoding, and is plain decoding while it says draft.
+Batched steps: `dart_hf.core.batch_budget` (the same E[accepted | B], over a modelled step time).
 """
 
 from __future__ import annotations
@@ -48,7 +42,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .cost import VerifyCost, cost_file, cost_key, load_curve
+from .batch_budget import BatchTimes
+from .cost import VerifyCost, cost_file, cost_key, load_curve, nearest_size
 from .tree import DraftTree
 
 
@@ -57,7 +52,7 @@ class BudgetKnobs:
     max_budget: int = 95  # largest candidate tree (nodes besides the root)
     warmup_steps: int = 3  # first steps of a policy, at the largest candidate
     probe_share: float = 0.01  # a probe's expected loss, as a share of the time since the last probe
-    window: int = 3  # recent step times per budget (median)
+    window: int = 9  # recent step times per budget (median)
     max_age: int = 64  # steps after which a step time expires
     half_life: float = 256.0  # steps; discount of the acceptance counts
     no_curve_budget: int = 3  # the tree size without a calibrated curve, CPU
@@ -95,15 +90,11 @@ class BudgetPolicy:
         self.candidates = [0, *sorted(set(trees))]
         self.largest = self.candidates[-1]
         self.decay = 0.5 ** (1.0 / k.half_life)
+        self._verify = {} if curve is None else dict(zip(self.candidates, curve(np.add(self.candidates, 1.0))))
         self.inc = np.zeros(self.largest + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
         self.obs = np.zeros(self.largest + 1)  # obs[b]: (discounted) steps whose budget was >= b
         self.times = {(th, b): deque(maxlen=k.window) for th in self.thread_options for b in self.candidates}
-        # batched steps (`batch_budget`), per budget: measured verify time / the curve's (and over all budgets), and
-        # per-row drafting seconds
-        self.batch_scale = {b: deque(maxlen=k.batch_window) for b in self.candidates}
-        self.batch_scale_all: deque = deque(maxlen=k.batch_window)
-        self.batch_draft = {b: deque(maxlen=k.window) for b in self.candidates[1:]}  # steady drafting steps
-        self.batch_draft_any = {b: deque(maxlen=k.window) for b in self.candidates[1:]}  # any drafting step
+        self.batch_times = BatchTimes(self)  # what batched steps measured (`batch_budget`)
         self.steps = 0
         self.choice = self.largest
         self._started: float | None = None
@@ -161,8 +152,8 @@ class BudgetPolicy:
                 continue
             trees = [a for a in timed if a > 0]
             if b > 0 and self.curve is not None and trees:
-                a = min(trees, key=lambda a: (abs(np.log((b + 1) / (a + 1))), a))
-                out[i] = max(timed[a] + self.curve(b + 1) - self.curve(a + 1), 1e-6)
+                a = nearest_size(trees, b)
+                out[i] = max(timed[a] + self._verify[b] - self._verify[a], 1e-6)
         return out
 
     def tokens_per_second(self) -> np.ndarray:
@@ -201,89 +192,25 @@ class BudgetPolicy:
         return self.choice
 
     def _probe(self, tps: np.ndarray) -> tuple:
-        """(threads, budget) of the next probe: in turn the candidate above the choice, plain decoding (the best
-        tree when plain decoding is the choice) and the choice with the other thread count."""
+        """(threads, budget) of the next probe: in turn the candidate above the choice (its acceptance is seen only
+        from trees at least as large), the runner-up tree (priced through the curve until timed, and the curve may
+        be off by more than the candidates differ), plain decoding (the best tree when plain decoding is the choice)
+        and the choice with the other thread count."""
         above = [b for b in self.candidates if b > self.choice]
         turns = [(self.threads, above[0])] if above and self.choice else []
+        rest = tps.copy()
+        rest[[0, self.candidates.index(self.choice)]] = np.nan
+        if self.choice and not np.all(np.isnan(rest)) and self.best(rest) not in above[:1]:
+            turns.append((self.threads, self.best(rest)))
         turns.append((self.threads, 0 if self.choice else self.best(tps, drafting_only=True)))
         turns += [(th, self.choice) for th in self.thread_options if th != self.threads]
         return turns[self._probe_turn % len(turns)]
-
-    # -- batched steps
-    def observe_batch(self, rows: int, budget: int, tokens: int, verify_seconds: float, draft_seconds: float = 0.0,
-                      steady: bool = True) -> None:
-        """A batched step of `rows` rows at `budget` nodes per row verified `tokens` tokens (rows x padded tree
-        size) in `verify_seconds` and spent `draft_seconds` on all rows' head forwards and tree searches
-        (`batch_loop`; only where its phase times are exact). steady: a tree right after a tree (the first tree
-        after plain steps has its head catch up on every position since: dearer). Acceptance is observed per row
-        through `observe`."""
-        n = min(self.candidates, key=lambda b: abs(b - budget))
-        if self.curve is not None and verify_seconds > 0 and tokens > 0:
-            ratio = verify_seconds / max(float(self.curve(tokens)), 1e-9)
-            self.batch_scale[n].append(ratio)
-            self.batch_scale_all.append(ratio)
-        if n > 0 and rows > 0:
-            self.batch_draft_any[n].append(draft_seconds / rows)
-            if steady:
-                self.batch_draft[n].append(draft_seconds / rows)
-
-    def batch_step_seconds(self, rows: int) -> np.ndarray:
-        """T(rows, n) per candidate n: s(n) * curve(rows * (n + 1)) + rows * D(n), where s(n) is the median of the
-        recent batched verify forwards' measured / curve seconds at n (a tree size without its own: the nearest
-        measured tree size's, else all sizes'; 1 before any: the machine's load now, and the curve's error at the
-        token counts in use), and D(n) the median per-row drafting
-        seconds of recent steady batched drafting steps at n (else at the nearest such n; without any steady step,
-        of any drafting steps, catch-up included: dearer, never cheaper; 0 before any). n = 0: no drafting."""
-        sizes = np.asarray(self.candidates, dtype=float)
-        overall = statistics.median(self.batch_scale_all) if self.batch_scale_all else 1.0
-        measured = {b: statistics.median(s) for b, s in self.batch_scale.items() if s}
-        trees = [a for a in measured if a > 0]
-        scale = np.array([measured[b] if b in measured else
-                          measured[min(trees, key=lambda a: (abs(np.log((b + 1) / (a + 1))), a))] if b and trees
-                          else overall for b in self.candidates])
-        verify = scale * np.asarray(self.curve(rows * (sizes + 1)), dtype=float)
-        seen = ({b: statistics.median(d) for b, d in self.batch_draft.items() if d}
-                or {b: statistics.median(d) for b, d in self.batch_draft_any.items() if d})
-        draft = np.zeros(len(sizes))
-        for i, b in enumerate(self.candidates):
-            if b > 0 and seen:
-                near = min(seen, key=lambda a: (abs(np.log((b + 1) / (a + 1))), a))
-                draft[i] = seen[near]
-        return verify + rows * draft
 
     def summary(self) -> dict:
         clean = lambda xs: [None if not np.isfinite(x) else round(float(x), 6) for x in xs]
         return {"candidates": self.candidates, "choice": self.choice, "steps": self.steps,
                 "expected_accepted": clean(self.expected_accepted()), "step_seconds": clean(self.step_seconds()),
                 "tokens_per_second": clean(self.tokens_per_second()), "curve": self.curve and self.curve.path}
-
-
-def batch_budget(policy: BudgetPolicy, rows: int, drafting_only: bool = False) -> int:
-    """The node budget per row of a batched step of `rows` rows (`dart_hf.core.batch_loop`): the candidate n with
-    the most expected tokens per second, rows * (1 + E[accepted | n]) / T(rows, n), where
-
-        T(rows, n) = s(n) * curve(rows * (n + 1)) + rows * D(n)        (`BudgetPolicy.batch_step_seconds`)
-
-    the calibrated single-row verify curve read at the batch's whole token count (a batched verify of R rows x N
-    tokens costs about one row of R * N tokens: `dart-hf calibrate --batch` measures both), scaled by s(n), the
-    recent batched verifies' measured / predicted time at n (the machine's load now, the curve's error there), plus
-    every row's head forward and tree search D(n), as recent batched steps measured it (n = 0 drafts nothing). As
-    the batch grows, each row's tree shrinks, down to plain decoding (n = 0) where drafting no longer pays; a tree
-    must promise `batch_margin` (10%) more than plain decoding, as the model's times and E are each off by up to
-    ~15%. E[accepted | n] is the policy's (shared with single-row calls, updated by batched steps too). Before any
-    acceptance is known, and without a curve: the policy's largest tree. drafting_only: the best n > 0."""
-    if policy.curve is None:
-        return policy.largest
-    expected = policy.expected_accepted()
-    if np.isnan(expected[1:]).any():
-        return policy.largest  # one step at the largest tree informs every smaller one
-    tps = rows * (1.0 + expected) / np.maximum(policy.batch_step_seconds(rows), 1e-9)
-    if drafting_only:
-        tps[0] = -np.inf
-    best = int(np.argmax(tps))
-    if best > 0 and tps[best] < (1.0 + policy.knobs.batch_margin) * tps[0]:
-        return 0
-    return int(policy.candidates[best])
 
 
 class BudgetState:
@@ -326,5 +253,4 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
     return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup)
 
 
-__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "accepted_for_budgets", "batch_budget", "budget_policy",
-           "path_ranks"]
+__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "accepted_for_budgets", "budget_policy", "path_ranks"]

@@ -50,6 +50,11 @@ class VerifyCost:
         return {**self.record, "sizes": list(self.sizes), "seconds": list(self.seconds), "key": self.key}
 
 
+def nearest_size(sizes, b: int) -> int:
+    """The tree size in `sizes` nearest to b in ratio of tree tokens (b + 1; ties: the smaller)."""
+    return min(sizes, key=lambda a: (abs(np.log((b + 1) / (a + 1))), a))
+
+
 def cost_dir() -> Path:
     """`$DART_HF_CACHE/cost`, else `~/.cache/dart_hf/cost` (same root as dart_hf.tools.assets.cache_dir)."""
     return Path(os.environ.get("DART_HF_CACHE", "~/.cache/dart_hf")).expanduser() / "cost"
@@ -116,4 +121,4 @@ def load_curve(target) -> VerifyCost | None:
     return read_curve(cost_file(key), key)
 
 
-__all__ = ["VerifyCost", "cost_dir", "cost_file", "cost_key", "load_curve", "read_curve"]
+__all__ = ["VerifyCost", "nearest_size", "cost_dir", "cost_file", "cost_key", "load_curve", "read_curve"]

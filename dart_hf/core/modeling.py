@@ -224,7 +224,7 @@ class DartHead(DartPreTrainedModel):
         # place); the per-call drafting state is the drafter's (`drafter.DartDrafter`), never the head's:
         self.stats = None  # the latest call's DartStats (`dart_hf.core.stats`), set by `loop.prepare_call`
         # the cost-aware budget's statistics across calls (`dart_hf.core.budget.BudgetState`), created on first use
-        # by `budget.budget_state(head)`; `generate(..., dart_budget_state=...)` passes another instead
+        # by `budget.budget_policy(head, target)`; `generate(..., dart_budget_state=...)` passes another instead
         self.budget_state = None
         self._bound: TargetModules | None = None  # bind_target's modules, for training and offline use only
         self.post_init()

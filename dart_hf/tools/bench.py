@@ -737,7 +737,7 @@ def run_synthetic(
     The head has the reference Qwen3-8B head's layout (draft length 7, a 32000-token draft vocabulary, norm applied
     twice), with random weights: it accepts about nothing, so steps are timed at about one token each.
 
-    Correct by construction: the cost curve is `cost_model.measure_verify_cost` and the steps are the real tree
+    Correct by construction: the cost curve is `calibrate.measure_verify_cost` and the steps are the real tree
     loop (`generate(..., assistant_model=head, dart_timing=True)`); nothing here re-implements decoding.
     """
     from .calibrate import DEFAULT_SIZES, measure_verify_cost
