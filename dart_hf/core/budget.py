@@ -8,18 +8,20 @@ accepted #{r_i < B'} draft tokens (exact for greedy, an estimate under sampling)
 
 T(B): this run's own wall time of whole steps at B (`clock`), the median of the last `window` within `max_age`
 steps, so a busy machine shows as it happens and a time measured under another load expires. A tree size without
-such times is priced from the nearest one with them through the verify curve (`dart_hf.core.cost`),
-T(A) + curve(B + 1) - curve(A + 1): cheap rather than dear on a busy machine, and a budget priced too cheaply is
-chosen, timed and corrected. Plain decoding (no head, no search) is timed, never priced; its last times stand until
-a probe replaces them (re-timing it whenever they expired cost a plain step per thread count every `max_age` steps),
-and when no tree size has recent times, the older ones stand.
+such times is priced from the nearest one with them through the verify curve (`dart_hf.core.cost`), at the cheaper
+of T(A) + curve(B + 1) - curve(A + 1) and T(A) * curve(B + 1) / curve(A + 1): a load may add to every step or scale
+it, and a price too cheap is chosen, timed and corrected, while a price too dear is never timed again (a large tree
+timed on a busy CPU, priced down by the quiet curve's difference, makes every small tree look hopeless). Plain
+decoding (no head, no search) is timed, never priced; its last times stand until a probe replaces them (re-timing
+it whenever they expired cost a plain step per thread count every `max_age` steps), and when no tree size has
+recent times, the older ones stand.
 
 Steps that are not the choice, each to learn what the choice cannot show: the first `warmup_steps` run the largest
 candidate (it informs every smaller one); plain decoding runs once; then probes, in turn the candidate above the
 choice, the runner-up tree (priced through a curve measured under another load, it can be off by more than the
 candidates differ) and plain decoding (when plain decoding is the choice: the best tree). A probe waits until
-`probe_share` of the time at the choice since the last probe exceeds its expected loss, T(p) - (1 + E[accepted | p]) / tps(choice):
-close alternatives are probed often, clearly worse ones rarely. So when drafting stops paying, decoding goes plain
+`probe_share` of the time at the choice since the last probe exceeds its expected loss,
+T(p) - (1 + E[accepted | p]) / tps(choice): close alternatives are probed often, clearly worse ones rarely. So when drafting stops paying, decoding goes plain
 and tries a tree again later. On a multi-threaded CPU the same rule picks the steps' thread count too
 (`try_one_thread`): times are kept per (threads, budget) and one more probe runs the choice on the other count (on a
 busy CPU every multi-threaded op waits for its slowest thread, and one thread can be several times faster).
@@ -153,7 +155,8 @@ class BudgetPolicy:
             trees = [a for a in timed if a > 0]
             if b > 0 and self.curve is not None and trees:
                 a = nearest_size(trees, b)
-                out[i] = max(timed[a] + self._verify[b] - self._verify[a], 1e-6)
+                va, vb = self._verify[a], self._verify[b]
+                out[i] = max(min(timed[a] + vb - va, timed[a] * vb / va if va > 0 else np.inf), 1e-6)
         return out
 
     def tokens_per_second(self) -> np.ndarray:
