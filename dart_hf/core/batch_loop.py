@@ -180,7 +180,7 @@ def decode_batch(
                 n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
             if policy is not None and timer.exact:  # the batch rule's verify scale and (steady) drafting cost
                 policy.batch_times.observe(len(trees.trees), budget, trees.tokens.numel(), timer.last["verify"],
-                                     _drafting_seconds(timer) - drafted, steady=drafted_before)
+                                           _drafting_seconds(timer) - drafted, steady=drafted_before)
             drafted_before = budget > 0
             if policy is not None and budget > 0:  # acceptance per row (a batched step is not a single-row step time)
                 for i, tree in enumerate(trees.trees):
@@ -249,9 +249,9 @@ def _drafting_seconds(timer: PhaseTimer) -> float:
 
 def _step_budget(policy: BudgetPolicy | None, fixed: int, rows: int, probe: int) -> tuple[int, int]:
     """(this step's node budget per row, steps since the last probe). Fixed budgets stay fixed; the cost-aware one
-    follows `batch_budget.batch_budget`, and one step in 32 is a probe of the other side: drafting with the best tree when
-    the rule says plain decoding (whose acceptance would otherwise never be measured again), plain decoding when it
-    says draft (so the rule compares two measured verify times, not the curve's guess of one)."""
+    follows `batch_budget.batch_budget`, and one step in 32 is a probe of the other side: drafting with the best tree
+    when the rule says plain decoding (whose acceptance would otherwise never be measured again), plain decoding when
+    it says draft (so the rule compares two measured verify times, not the curve's guess of one)."""
     if policy is None:
         return fixed, 0
     budget = batch_budget(policy, rows)

@@ -21,10 +21,11 @@ candidate (it informs every smaller one); plain decoding runs once; then probes,
 choice, the runner-up tree (priced through a curve measured under another load, it can be off by more than the
 candidates differ) and plain decoding (when plain decoding is the choice: the best tree). A probe waits until
 `probe_share` of the time at the choice since the last probe exceeds its expected loss,
-T(p) - (1 + E[accepted | p]) / tps(choice): close alternatives are probed often, clearly worse ones rarely. So when drafting stops paying, decoding goes plain
-and tries a tree again later. On a multi-threaded CPU the same rule picks the steps' thread count too
-(`try_one_thread`): times are kept per (threads, budget) and one more probe runs the choice on the other count (on a
-busy CPU every multi-threaded op waits for its slowest thread, and one thread can be several times faster).
+T(p) - (1 + E[accepted | p]) / tps(choice): close alternatives are probed often, clearly worse ones rarely. So when
+drafting stops paying, decoding goes plain and tries a tree again later. On a multi-threaded CPU the same rule picks
+the steps' thread count too (`try_one_thread`): times are kept per (threads, budget) and one more probe runs the
+choice on the other count (on a busy CPU every multi-threaded op waits for its slowest thread, and one thread can be
+several times faster).
 
 Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
 decoding and one tree size, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
@@ -203,8 +204,9 @@ class BudgetPolicy:
         turns = [(self.threads, above[0])] if above and self.choice else []
         rest = tps.copy()
         rest[[0, self.candidates.index(self.choice)]] = np.nan
-        if self.choice and not np.all(np.isnan(rest)) and self.best(rest) not in above[:1]:
-            turns.append((self.threads, self.best(rest)))
+        runner_up = self.best(rest) if self.choice and not np.all(np.isnan(rest)) else None
+        if runner_up is not None and runner_up not in above[:1]:
+            turns.append((self.threads, runner_up))
         turns.append((self.threads, 0 if self.choice else self.best(tps, drafting_only=True)))
         turns += [(th, self.choice) for th in self.thread_options if th != self.threads]
         return turns[self._probe_turn % len(turns)]
