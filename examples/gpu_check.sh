@@ -56,7 +56,9 @@ for dtype in (torch.float32, torch.bfloat16):
         equal.append(bool(torch.equal(out, ref)) and bool(torch.equal(fixed, ref)))
     policy = budget_policy(head, target)
     report[str(dtype)] = {"all_equal": all(equal), "equal": equal, "budgets_first_prompt": budgets[0],
-                          "policy": policy.summary(), "curve_problems": problems,
+                          "policy": {"candidates": policy.candidates, "choice": policy.choice,
+                                     "tokens_per_second": policy.tokens_per_second().tolist()},
+                          "curve_problems": problems,
                           "cost_ms": None if curve is None else [round(1e3 * s, 3) for s in curve.seconds]}
 for name, r in report.items():
     print(name, json.dumps(r, default=str))

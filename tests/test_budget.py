@@ -21,8 +21,7 @@ from conftest import make_head, make_target, prompts
 from dart_hf_cli import main as cli
 from dart_hf.core import cost as cost_module
 from dart_hf.core.acceptance import accept_greedy
-from dart_hf.core.budget import (BudgetKnobs, BudgetPolicy, BudgetState, accepted_for_budgets, budget_policy,
-                                 path_ranks)
+from dart_hf.core.budget import BudgetKnobs, BudgetPolicy, BudgetState, budget_policy
 from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf.core.drafter import default_node_budget
 from dart_hf.tools import calibrate as calibration
@@ -79,8 +78,9 @@ def test_counterfactual_acceptance_equals_rebuilding_smaller_trees():
                 cache.crop(past - cache.get_seq_length())
             tree = build_tree(draft, params=params(budget), **kw)
             acc = accept_greedy(tree, verify_tree(target, tree, cache, past))
-            predicted = accepted_for_budgets(path_ranks(tree, acc.path).tolist(), range(1, budget + 1))
-            assert predicted.tolist() == actual
+            policy = BudgetPolicy(VerifyCost(list(range(1, budget + 2)), [0.01] * (budget + 1)))  # budgets 0..48
+            policy.observe_tree(tree, acc.path, budget)
+            assert policy.expected_accepted()[1:].tolist() == actual  # what it predicts for every smaller tree
             assert actual[-1] == acc.path.numel() - 1
             lengths.append(actual[-1])
             cut += actual[0] < actual[-1]

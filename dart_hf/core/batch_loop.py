@@ -32,7 +32,6 @@ What plain batched `generate` does, and how it is kept:
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList

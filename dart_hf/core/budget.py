@@ -1,36 +1,27 @@
 """Cost-aware node budget: per step, the budget B with the most expected tokens per second,
-(1 + E[accepted | B]) / T(B), over {0} + {calibrated tree sizes - 1}. B = 0 is plain decoding (one target forward
-of the last token: no head forward, no tree search). Knobs: `BudgetKnobs`; the rule: `BudgetPolicy`.
+(1 + E[accepted | B]) / T(B), over {0} + {calibrated tree sizes - 1}; B = 0 is plain decoding (no head, no search).
+Knobs: `BudgetKnobs`; the rule: `BudgetPolicy`; batched steps: `dart_hf.core.batch_budget`.
 
-E[accepted | B], counterfactually: the tree of budget B' < B is exactly the best B' nodes (by score) of the budget-B
-tree, closed under ancestors, so if the accepted path's nodes have score ranks r_1 < r_2 < ..., budget B' would have
-accepted #{r_i < B'} draft tokens (exact for greedy, an estimate under sampling). Counts decay (`half_life` steps).
+E[accepted | B], counterfactually: the budget-B' tree (B' < B) is the best B' nodes by score of the budget-B tree,
+closed under ancestors, so it would have accepted #{path score ranks < B'} draft tokens (exact for greedy, an
+estimate under sampling). Counts decay (`half_life` steps).
 
-T(B): this run's own wall time of whole steps at B (`clock`), the median of the last `window` within `max_age`
-steps, so a busy machine shows as it happens and a time measured under another load expires. A tree size without
-such times is priced from the nearest one with them through the verify curve (`dart_hf.core.cost`), at the cheaper
-of T(A) + curve(B + 1) - curve(A + 1) and T(A) * curve(B + 1) / curve(A + 1): a load may add to every step or scale
-it, and a price too cheap is chosen, timed and corrected, while a price too dear is never timed again (a large tree
-timed on a busy CPU, priced down by the quiet curve's difference, makes every small tree look hopeless). Plain
-decoding (no head, no search) is timed, never priced; its last times stand until a probe replaces them (re-timing
-it whenever they expired cost a plain step per thread count every `max_age` steps), and when no tree size has
-recent times, the older ones stand.
+T(B): the median of this run's last `window` whole-step times at B within `max_age` steps (a load shows as it
+happens; a time measured under another load expires). An untimed tree size is priced from the nearest timed one A
+through the verify curve (`dart_hf.core.cost`) at the cheaper of T(A) + c(B + 1) - c(A + 1) and
+T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it, and a price too cheap gets timed and
+corrected, while one too dear is never timed again. Plain decoding is timed, never priced (its last times stand
+until a probe replaces them), and when no tree has recent times the older ones stand.
 
-Steps that are not the choice, each to learn what the choice cannot show: the first `warmup_steps` run the largest
-candidate (it informs every smaller one); plain decoding runs once; then probes, in turn the candidate above the
-choice, the runner-up tree (priced through a curve measured under another load, it can be off by more than the
-candidates differ) and plain decoding (when plain decoding is the choice: the best tree). A probe waits until
-`probe_share` of the time at the choice since the last probe exceeds its expected loss,
-T(p) - (1 + E[accepted | p]) / tps(choice): close alternatives are probed often, clearly worse ones rarely. So when
-drafting stops paying, decoding goes plain and tries a tree again later. On a multi-threaded CPU the same rule picks
-the steps' thread count too (`try_one_thread`): times are kept per (threads, budget) and one more probe runs the
-choice on the other count (on a busy CPU every multi-threaded op waits for its slowest thread, and one thread can be
-several times faster).
+Steps that are not the choice: the first `warmup_steps` run the largest candidate (it informs every smaller one);
+plain decoding runs once per thread count; then probes, in turn the candidate above the choice, the runner-up tree,
+plain decoding (the best tree when plain is the choice) and the choice on the other thread count. A probe waits
+until `probe_share` of the time at the choice since the last probe exceeds its expected loss, so close alternatives
+are probed often and clearly worse ones rarely. On a multi-threaded CPU times are kept per (threads, budget): on a
+busy CPU every multi-threaded op waits for its slowest thread, and one thread can be several times faster.
 
 Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
-decoding and one tree size, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
-
-Batched steps: `dart_hf.core.batch_budget` (the same E[accepted | B], over a modelled step time).
+decoding and one tree, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
 """
 
 from __future__ import annotations
@@ -69,12 +60,6 @@ def path_ranks(tree: DraftTree, path: torch.Tensor) -> torch.Tensor:
     """Score rank (0 = best non-root node) of every accepted draft node (path without the root), ascending."""
     scores = tree.scores[1:]
     return (scores.unsqueeze(0) > tree.scores[path[1:]].unsqueeze(1)).sum(dim=1)
-
-
-def accepted_for_budgets(ranks, budgets) -> np.ndarray:
-    """Draft tokens each budget in `budgets` would have accepted: #{path ranks < budget} (greedy: exact)."""
-    ranks = np.sort(np.asarray(ranks, dtype=np.int64).reshape(-1))
-    return np.searchsorted(ranks, np.asarray(budgets, dtype=np.int64), side="left")
 
 
 class BudgetPolicy:
@@ -137,9 +122,8 @@ class BudgetPolicy:
         return np.where((self.obs[self.candidates] > 0) | (np.array(self.candidates) == 0), out, np.nan)
 
     def step_seconds(self, threads=None) -> np.ndarray:
-        """T(B) per candidate (at `threads`, default: the current ones): the median of its recent step times, else
-        priced from the nearest tree size with recent times through the curve (nan: nothing to go by; plain
-        decoding is never priced)."""
+        """T(B) per candidate at `threads` (default: the current ones), as the module docstring says (nan: nothing
+        to go by)."""
         th = self.threads if threads is None else threads
         fresh = {b: [s for i, s in self.times[(th, b)] if self.steps - i < self.knobs.max_age]
                  for b in self.candidates}
@@ -196,10 +180,9 @@ class BudgetPolicy:
         return self.choice
 
     def _probe(self, tps: np.ndarray) -> tuple:
-        """(threads, budget) of the next probe: in turn the candidate above the choice (its acceptance is seen only
-        from trees at least as large), the runner-up tree (priced through the curve until timed, and the curve may
-        be off by more than the candidates differ), plain decoding (the best tree when plain decoding is the choice)
-        and the choice with the other thread count."""
+        """(threads, budget) of the next probe, in turn: the candidate above the choice (its acceptance shows only in
+        trees at least as large), the runner-up tree (a curve measured under another load can be off by more than
+        the candidates differ), plain decoding (or the best tree) and the choice on the other thread count."""
         above = [b for b in self.candidates if b > self.choice]
         turns = [(self.threads, above[0])] if above and self.choice else []
         rest = tps.copy()
@@ -210,12 +193,6 @@ class BudgetPolicy:
         turns.append((self.threads, 0 if self.choice else self.best(tps, drafting_only=True)))
         turns += [(th, self.choice) for th in self.thread_options if th != self.threads]
         return turns[self._probe_turn % len(turns)]
-
-    def summary(self) -> dict:
-        clean = lambda xs: [None if not np.isfinite(x) else round(float(x), 6) for x in xs]
-        return {"candidates": self.candidates, "choice": self.choice, "steps": self.steps,
-                "expected_accepted": clean(self.expected_accepted()), "step_seconds": clean(self.step_seconds()),
-                "tokens_per_second": clean(self.tokens_per_second()), "curve": self.curve and self.curve.path}
 
 
 class BudgetState:
@@ -258,4 +235,4 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
     return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup)
 
 
-__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "accepted_for_budgets", "budget_policy", "path_ranks"]
+__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "budget_policy", "path_ranks"]

@@ -68,25 +68,20 @@ def _device_name(device: torch.device) -> str:
     return device.type
 
 
-def attn_implementation(target) -> str:
-    """The attention implementation the target was loaded with (the verify's grouped SDPA variant is SDPA)."""
-    impl = target.config._attn_implementation or "eager"
-    return "sdpa" if impl == GROUPED_SDPA else impl
-
-
 def cost_key(target) -> dict:
     """What the verify cost depends on (how it was measured, sizes and KV length, is not part of the key)."""
     cfg = target.config.get_text_config()
     names = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "head_dim", "intermediate_size", "vocab_size")
     quant = getattr(target.config, "quantization_config", None)
+    attn = target.config._attn_implementation or "eager"  # the verify's grouped SDPA variant is SDPA
     return {
         "name": str(getattr(target.config, "name_or_path", "") or cfg.model_type),
         **{k: getattr(cfg, k, None) for k in names},
         "device": target.device.type,
         "device_name": _device_name(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
-        "attn_implementation": attn_implementation(target),
+        "attn_implementation": "sdpa" if attn == GROUPED_SDPA else attn,
         "quantization": None if quant is None else str(getattr(quant, "quant_method", quant)),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -100,10 +95,13 @@ def cost_file(key: dict) -> Path:
     return cost_dir() / f"{slug}-{key['device']}-{key['dtype']}-{digest}.json"
 
 
-def read_curve(path: Path, key: dict) -> VerifyCost | None:
-    """The curve stored at `path` if it exists, parses and belongs to `key`; None otherwise."""
+def load_curve(target) -> VerifyCost | None:
+    """This target's calibrated curve on this device if its file exists, parses and belongs to this key; else None
+    (then `dart-hf calibrate` measures it)."""
+    key = cost_key(target)
+    path = cost_file(key)
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("key") != json.loads(json.dumps(key, default=str)):
@@ -115,10 +113,4 @@ def read_curve(path: Path, key: dict) -> VerifyCost | None:
     return VerifyCost([int(n) for n in sizes], [float(s) for s in seconds], key=key, path=str(path), record=record)
 
 
-def load_curve(target) -> VerifyCost | None:
-    """This target's calibrated curve on this device, or None (then `dart-hf calibrate` measures it)."""
-    key = cost_key(target)
-    return read_curve(cost_file(key), key)
-
-
-__all__ = ["VerifyCost", "nearest_size", "cost_dir", "cost_file", "cost_key", "load_curve", "read_curve"]
+__all__ = ["VerifyCost", "nearest_size", "cost_dir", "cost_file", "cost_key", "load_curve"]
