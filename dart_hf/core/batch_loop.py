@@ -32,7 +32,6 @@ What plain batched `generate` does, and how it is kept:
 
 from __future__ import annotations
 
-
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
