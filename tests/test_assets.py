@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,28 @@ def test_chat_input_ids_shortens_user_text_not_template(tokenizer: PreTrainedTok
 def test_unknown_target_names_the_known_ones(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct"):
         assets.target_folder(str(tmp_path / "missing"))
+
+
+def test_a_target_another_process_is_converting_is_waited_for_not_converted_again(tmp_path, monkeypatch) -> None:
+    """Two processes on first use (test workers, two users' scripts): the second waits on the first's lock and then
+    uses its folder. (Waiting is checked as "not converted while the lock is held", never by how long it took.)"""
+    from filelock import FileLock
+
+    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path))
+    converted, found = [], []
+    monkeypatch.setattr(assets, "convert_target", lambda name, folder: converted.append(name))
+    folder = tmp_path / "targets" / "smollm2-135m-instruct"
+    folder.parent.mkdir(parents=True)
+    other = FileLock(folder.parent / ".smollm2-135m-instruct.lock")
+    other.acquire()
+    waiter = threading.Thread(target=lambda: found.append(assets.target_folder("smollm2-135m-instruct")))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not converted and not found
+    folder.mkdir()  # the other process publishes its conversion and lets go
+    other.release()
+    waiter.join(60)
+    assert found == [folder] and not converted
 
 
 def test_gguf_check_rejects_a_wrong_join(tmp_path: Path) -> None:

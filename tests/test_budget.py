@@ -436,6 +436,31 @@ def test_budget_state_is_visible_persists_across_calls_and_resets():
     assert budget_policy(head, target) is not policy
 
 
+@pytest.fixture
+def two_cpu_threads():
+    """torch on 2 CPU threads for one test (test workers run on their share of the cores, often one), restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_auto_budget_times_steps_on_one_cpu_thread_too_and_restores_the_threads(two_cpu_threads):
+    """On a multi-threaded CPU the policy runs some steps on one thread (plain decoding is timed on both thread
+    counts before anything is chosen); the output is plain `generate`'s and the caller's thread count is back."""
+    target = make_target("llama")
+    write_curve(target)
+    ids = prompts(1, seed=7)[0]
+    head = make_head(target, node_budget=None)
+    seen = []
+    hook = target.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=24)
+    hook.remove()
+    assert torch.equal(out, plain(target, ids, 24))
+    assert budget_policy(head, target).thread_options == [2, 1] and {1, 2} <= set(seen)
+    assert torch.get_num_threads() == 2
+
+
 def test_auto_budget_reports_its_budgets():
     """Auto decoding reports the budget of every step (warm-up at the largest tree, plain decoding once, then the
     policy's choices) and the policy's choice; "auto" per call on a fixed-budget head; a fixed budget is reported as

