@@ -13,21 +13,22 @@ import os
 # Under pytest-xdist (pyproject's addopts: a worker per core) each worker gets its share of the CPU threads: torch's
 # default of a thread per core in every worker oversubscribes the CPU and the suite ran several times slower. The
 # environment variables reach the tests' subprocesses too.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    WORKER_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+WORKER_THREADS = max(1, (os.cpu_count() or 1) // WORKERS) if WORKERS else None
+if WORKER_THREADS:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(WORKER_THREADS)
 
 import pytest
 import torch
-
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(WORKER_THREADS)
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen3Config)
 
 import dart_hf
 from dart_hf.core.target import cache_kwargs
+
+if WORKER_THREADS:
+    torch.set_num_threads(WORKER_THREADS)
 
 TINY = dict(
     vocab_size=96,

@@ -328,8 +328,9 @@ def test_custom_generate_dart_head_overrides_the_location(tmp_path, qwen3_dir, h
     write_folder(head, tmp_path / "head", custom=False)
     result = run_without_dart_hf(tmp_path, qwen3_dir, (str(code_only), {"dart_head": str(tmp_path / "head")}),
                                  (str(code_only), {}))
-    assert result["runs"][0] == [True, True] and result["dart_hf"] == "None"
-    assert isinstance(result["runs"][1], str) and "code_only" in result["runs"][1], result["runs"][1]
+    missing = result["runs"][1]
+    assert isinstance(missing, str) and "code_only" in missing, missing
+    assert result == without_dart_hf([True, True], missing)
 
 
 def readme_custom_generate_blocks() -> tuple[str, str]:
