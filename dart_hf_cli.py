@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 TARGET_HELP = "known target name (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct) or a local model folder"
@@ -227,8 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+TOOLS_EXTRA = ("gguf", "matplotlib")  # pyproject's [tools]: reading the PyPI-shipped targets, drawing the plots
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = [name for name in TOOLS_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:  # say so now, not after a conversion or a bench has run for minutes
+        print(f"dart-hf {args.command} needs the [tools] extra ({', '.join(missing)} not installed): "
+              f"pip install 'dart-hf[tools]'", file=sys.stderr)
+        return 2
     module, function = args.runner.split(":")
     return getattr(importlib.import_module(module), function)(args)
 

@@ -1,5 +1,6 @@
 """dart_hf as users install it: a wheel (not the source tree) carries the shipped head, and the default head of
-`dart-hf demo` / `dart-hf bench` resolves to that installed copy."""
+`dart-hf demo` / `dart-hf bench` resolves to that installed copy; without the [tools] extra the library works and the
+tools name the extra; the README quick start runs verbatim from another folder."""
 
 from __future__ import annotations
 
@@ -62,6 +63,36 @@ def test_wheel_ships_the_head_and_resolves_it(tmp_path):
     assert "custom_generate" not in got["files"] and "custom_generate/generate.py" in got["custom_generate"]
     assert "custom_generate/loop.py" in got["custom_generate"]
     assert (target / "dart_hf_cli.py").is_file()
+
+
+LIBRARY_ALONE = """
+import sys
+from pathlib import Path
+sys.modules["gguf"] = sys.modules["matplotlib"] = None  # `pip install dart-hf`, without the [tools] extra
+import dart_hf_cli
+from transformers import AutoModel
+from dart_hf.tools.assets import convert_target, shipped_head
+head = AutoModel.from_pretrained(shipped_head())
+print("HEAD", type(head).__name__)
+print("CLI", dart_hf_cli.main(["demo"]))
+try:
+    convert_target("smollm2-135m-instruct", Path(sys.argv[1]) / "targets" / "smollm2")
+except ImportError as error:
+    print("CONVERT", error)
+"""
+
+
+def test_the_library_alone_loads_a_head_and_the_tools_ask_for_their_extra(tmp_path):
+    """Without gguf and matplotlib (the [tools] extra) a head still loads; the `dart-hf` commands and a target
+    conversion say which extra to install before doing anything, instead of a ModuleNotFoundError minutes in."""
+    proc = subprocess.run([sys.executable, "-c", LIBRARY_ALONE, str(tmp_path)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HEAD DartHead" in proc.stdout and "CLI 2" in proc.stdout
+    assert "dart-hf demo needs the [tools] extra (gguf, matplotlib not installed)" in proc.stderr
+    assert "CONVERT converting a PyPI-shipped target reads GGUF files" in proc.stdout
+    assert "pip install 'dart-hf[tools]'" in proc.stdout
+    assert not (tmp_path / "targets").exists()  # refused before installing or writing anything
 
 
 def readme_block(heading: str) -> str:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import torch
 from filelock import FileLock
 from tqdm.auto import tqdm
@@ -232,6 +231,7 @@ def convert_target(name: str, destination: Path, gguf_path: Path | None = None) 
     the destination and renamed into place at the end, so a killed conversion never leaves a folder that looks
     complete."""
     spec = KNOWN_TARGETS[name]
+    _gguf()  # before the packages are installed: the library alone (no [tools] extra) cannot convert
     destination.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_partials(destination.parent, name)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.partial-{os.getpid()}-", dir=destination.parent))
@@ -289,6 +289,16 @@ def assemble_gguf(pieces: list[Path], out_path: Path) -> Path:
     return out_path
 
 
+def _gguf():
+    """The `gguf` package, part of the `[tools]` extra: only a conversion reads GGUF files (transformers too)."""
+    try:
+        import gguf
+    except ImportError as error:
+        raise ImportError("converting a PyPI-shipped target reads GGUF files, which needs the [tools] extra: "
+                          "pip install 'dart-hf[tools]' (or: pip install gguf)") from error
+    return gguf
+
+
 def read_gguf_metadata(path: Path, architecture: str) -> dict[str, Any]:
     """The GGUF's key/value metadata, after checking the file really is a whole GGUF of the expected kind.
 
@@ -301,6 +311,7 @@ def read_gguf_metadata(path: Path, architecture: str) -> dict[str, Any]:
         raise ValueError(
             f"{path} does not start with the GGUF magic (got {magic!r}); the parts are wrong or out of order"
         )
+    gguf = _gguf()
     try:
         reader = gguf.GGUFReader(path)
         metadata = {key: field.contents() for key, field in reader.fields.items()
