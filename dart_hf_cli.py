@@ -21,9 +21,14 @@ DTYPES = ("float32", "bfloat16")
 ATTN = ("sdpa", "eager", "flex_attention")
 
 
-def _command(sub, name: str, runner: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+TOOLS_EXTRA = ("gguf", "matplotlib")  # pyproject's [tools]: reading the PyPI-shipped targets, drawing the plots
+
+
+def _command(sub, name: str, runner: str, help: str, description: str | None = None,
+             needs: tuple[str, ...] = TOOLS_EXTRA) -> argparse.ArgumentParser:
+    """A subcommand; `needs`: the optional packages it imports (checked before it runs)."""
     parser = sub.add_parser(name, help=help, description=description or help)
-    parser.set_defaults(runner=runner)
+    parser.set_defaults(runner=runner, needs=needs)
     return parser
 
 
@@ -202,7 +207,8 @@ def _eval_head(sub) -> None:
 
 def _convert(sub) -> None:
     p = _command(sub, "convert", "dart_hf.tools.convert:run",
-                 "convert a reference DART checkpoint (fvliang/qwen*-dart) and .trie into a dart_hf head folder")
+                 "convert a reference DART checkpoint (fvliang/qwen*-dart) and .trie into a dart_hf head folder",
+                 needs=())
     p.add_argument("reference_dir", help="folder with the reference config.json and model.safetensors")
     p.add_argument("--ngram", metavar="FILE.trie", help="reference n-gram trie (e.g. small.trie) to convert too")
     p.add_argument("--target-config", metavar="PATH_OR_NAME",
@@ -213,7 +219,8 @@ def _convert(sub) -> None:
 
 def _push(sub) -> None:
     p = _command(sub, "push", "dart_hf.tools.hub:run",
-                 "upload a DART head folder (weights, n-gram, card, custom_generate/) to the Hugging Face Hub")
+                 "upload a DART head folder (weights, n-gram, card, custom_generate/) to the Hugging Face Hub",
+                 needs=())
     p.add_argument("folder", help="a dart_hf head folder (config.json + model.safetensors)")
     p.add_argument("repo", help="Hub repo id, e.g. <user>/qwen3-8b-dart")
     p.add_argument("--private", action="store_true", help="create the repo as private")
@@ -228,12 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-TOOLS_EXTRA = ("gguf", "matplotlib")  # pyproject's [tools]: reading the PyPI-shipped targets, drawing the plots
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    missing = [name for name in TOOLS_EXTRA if importlib.util.find_spec(name) is None]
+    missing = [name for name in args.needs if importlib.util.find_spec(name) is None]
     if missing:  # say so now, not after a conversion or a bench has run for minutes
         print(f"dart-hf {args.command} needs the [tools] extra ({', '.join(missing)} not installed): "
               f"pip install 'dart-hf[tools]'", file=sys.stderr)

@@ -75,6 +75,7 @@ from dart_hf.tools.assets import convert_target, shipped_head
 head = AutoModel.from_pretrained(shipped_head())
 print("HEAD", type(head).__name__)
 print("CLI", dart_hf_cli.main(["demo"]))
+print("PUSH", dart_hf_cli.main(["push", str(Path(sys.argv[1]) / "no-head"), "user/no-head"]))
 try:
     convert_target("smollm2-135m-instruct", Path(sys.argv[1]) / "targets" / "smollm2")
 except ImportError as error:
@@ -84,12 +85,15 @@ except ImportError as error:
 
 def test_the_library_alone_loads_a_head_and_the_tools_ask_for_their_extra(tmp_path):
     """Without gguf and matplotlib (the [tools] extra) a head still loads; the `dart-hf` commands and a target
-    conversion say which extra to install before doing anything, instead of a ModuleNotFoundError minutes in."""
+    conversion say which extra to install before doing anything, instead of a ModuleNotFoundError minutes in; `push`
+    (hub only) runs without it."""
     proc = subprocess.run([sys.executable, "-c", LIBRARY_ALONE, str(tmp_path)], capture_output=True, text=True,
                           cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "HEAD DartHead" in proc.stdout and "CLI 2" in proc.stdout
     assert "dart-hf demo needs the [tools] extra (gguf, matplotlib not installed)" in proc.stderr
+    assert "PUSH 1" in proc.stdout and "dart-hf push: error:" in proc.stderr  # push and convert need neither
+    assert "dart-hf push needs" not in proc.stderr
     assert "CONVERT converting a PyPI-shipped target reads GGUF files" in proc.stdout
     assert "pip install 'dart-hf[tools]'" in proc.stdout
     assert not (tmp_path / "targets").exists()  # refused before installing or writing anything
