@@ -13,6 +13,7 @@ from transformers import (
     BartForConditionalGeneration,
     DynamicCache,
     StaticCache,
+    SynthIDTextWatermarkingConfig,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -157,6 +158,35 @@ def test_padded_input_not_on_the_left(llama, llama_head, where):
     ones = torch.ones_like(ids)
     assert torch.equal(run(llama, llama_head, ids, attention_mask=ones),
                        llama.generate(ids, attention_mask=ones, do_sample=False, max_new_tokens=4))
+
+
+SYNTHID = dict(keys=[654, 400, 836, 123, 340, 443, 597, 160, 57, 29], ngram_len=3)
+
+
+@pytest.mark.parametrize("call", ["tree", "chain", "batch", "custom_generate"])
+def test_classifier_free_guidance(llama, llama_head, call):
+    """guidance_scale's processor runs the target itself (its forward replaced the hidden states the head reads: a
+    RuntimeError deep in the head); refused with the argument's name."""
+    ids = prompts(1, seed=5)[0]
+    kw = dict(do_sample=False, max_new_tokens=4, guidance_scale=1.5)
+    with pytest.raises(ValueError, match="guidance_scale"):
+        if call == "custom_generate":
+            llama.generate(ids, custom_generate=dart_hf.dart_decode, dart_head=llama_head, **kw)
+        else:
+            llama.generate(ids.repeat(2, 1) if call == "batch" else ids, assistant_model=llama_head,
+                           dart_mode="chain" if call == "chain" else "tree", **kw)
+
+
+@pytest.mark.parametrize("call", ["chain", "batch"])
+def test_synthid_watermarking_where_its_call_order_cannot_be_kept(llama, llama_head, call):
+    """SynthID's processor keeps a per-row state that assumes one call per token for the whole batch: batches and
+    chain mode call it otherwise, and gave other text than plain `generate`; one row in tree mode is exact
+    (test_lossless.py)."""
+    ids = prompts(1, seed=5)[0]
+    kw = dict(max_new_tokens=4, watermarking_config=SynthIDTextWatermarkingConfig(**SYNTHID))
+    match = "SynthID.*(a batch|assisted decoding)"
+    with pytest.raises(ValueError, match=match):
+        run(llama, llama_head, ids.repeat(2, 1) if call == "batch" else ids, mode=call.replace("batch", "tree"), **kw)
 
 
 def test_unknown_dart_mode(llama, llama_head):

@@ -18,20 +18,26 @@ Cases (pytest ids in brackets):
    tokens (2: one step with no room for drafts; 1: no step); n-gram rescoring on. Auto in tree mode: the policy chose
    every step's budget, among the calibrated sizes.
 2. `test_generation_settings[setting-mode-budget]` (oracle): a Llama with a word tokenizer, tree / chain x fixed /
-   auto x 8 settings, 2 prompts x 30 tokens:
+   auto x 9 settings, 2 prompts x 30 tokens:
    - repetition_penalty=1.5; no_repeat_ngram_size=2; min_new_tokens=10 with an EOS id;
    - several EOS ids, one of them a token the text really produces: the text ends (asserted) inside a path;
    - a custom StoppingCriteria that stops after a token of the text (asserted to end it early);
    - stop_strings with a tokenizer (asserted to end the text early);
    - max_length instead of max_new_tokens;
    - return_dict_in_generate with output_scores and output_logits: sequences equal; scores and logits close (they
-     come from a tree forward instead of a one-token forward).
-   Chain mode refuses the custom criterion and stop strings with a ValueError (CHAIN_REFUSES): transformers' assisted
-   loop, which chain mode runs, checks stopping criteria once per step and would pass over a stop inside a chain.
+     come from a tree forward instead of a one-token forward);
+   - SynthID watermarking (a processor that keeps state across calls).
+   Chain mode refuses the custom criterion, stop strings and SynthID with a ValueError (CHAIN_REFUSES): transformers'
+   assisted loop, which chain mode runs, checks stopping criteria once per step and would pass over a stop inside a
+   chain, and runs processors on rejected drafts too.
+   `test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_them[do_sample-budget]` (oracle): a
+   processor and a criterion that count their calls, greedy / sampled x fixed / auto: same text, same criterion
+   calls.
 3. `test_seeded_sampling[setting-budget]` (oracle): tree mode, a soft target, 32 tokens: the same seed gives plain
    `generate`'s tokens, with temperature 1 / top_k 0 at fixed budgets 1, 3, 12, 40 and auto (the text does not depend
-   on the budget), and with temperature 0.7 + top_k 20 + top_p 0.9 and temperature 0.9 + repetition penalty 1.3 at
-   budget 12 and auto; 4 prompts at budget 12, 2 otherwise; another seed gives another text.
+   on the budget), with temperature 0.7 + top_k 20 + top_p 0.9 and temperature 0.9 + repetition penalty 1.3 at
+   budget 12 and auto, and SynthID watermarking at budget 12; 4 prompts at budget 12, 2 otherwise; another seed
+   gives another text.
    `test_seeded_sampling_across_architectures[arch]`: temperature 0.8, 32 tokens, the random head's own drafts, on the
    7 architectures of case 1. (Chain mode samples with transformers' speculative sampling: exact in distribution, not
    seed for seed.)
@@ -58,7 +64,14 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, pipeline
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    SynthIDTextWatermarkingConfig,
+    pipeline,
+)
 
 import dart_hf
 from conftest import SLIDING, make_head, make_target, prompts, stop_word_tokenizer, word_target
@@ -244,11 +257,14 @@ SETTINGS = {
     "stop_strings": lambda free, plain, ids, tok: stop_string_at(plain, ids, free, tok),
     "max_length": lambda free, ids, **_: dict(max_length=ids.shape[1] + 13, max_new_tokens=None),
     "return_dict": lambda free, **_: dict(return_dict_in_generate=True, output_scores=True, output_logits=True),
+    "synthid_watermark": lambda free, **_: dict(watermarking_config=SYNTHID),
 }
+SYNTHID = SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123, 340, 443, 597, 160, 57, 29], ngram_len=3)
 ENDS_EARLY = {"several_eos", "stopping_criteria", "stop_strings"}  # the reference must stop before 30 tokens
 # chain mode is transformers' assisted decoding, which checks stopping criteria once per step on the sequence's end
-# and would pass over a stop inside an accepted chain: those calls are refused (the case checks the refusal)
-CHAIN_REFUSES = {"stopping_criteria", "stop_strings"}
+# and would pass over a stop inside an accepted chain, and which runs processors on rejected drafts too (SynthID's
+# state would take them in): those calls are refused (the case checks the refusal)
+CHAIN_REFUSES = {"stopping_criteria", "stop_strings", "synthid_watermark"}
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -282,16 +298,72 @@ def test_generation_settings(tiny_target, plain, budget_for, setting, mode, budg
     assert max(accepted) > 1, "no draft token was accepted: the case did not exercise tree acceptance"
 
 
+class CountingBias(LogitsProcessor):
+    """Raises a token chosen by how many times it was called: a processor with state, as SynthID's."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.calls = vocab, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        scores = scores.clone()
+        scores[:, (7 * self.calls) % self.vocab] += 2.0
+        return scores
+
+
+class StopAfterCalls(StoppingCriteria):
+    def __init__(self, n: int):
+        self.n, self.calls = n, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return torch.full((input_ids.shape[0],), self.calls >= self.n, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_them(tiny_target, plain, budget_for,
+                                                                                     do_sample, budget):
+    """Tree mode on one row calls the processors once per new token in order (the last step may also process the
+    tokens after the stop, which it drops) and the stopping criteria once per new token until the stop, as plain
+    `generate` does: the same text, the same number of criterion calls."""
+    target = tiny_target("llama")
+    vocab = target.config.vocab_size
+    texts = varied_prompts(plain, "llama", 2, vocab)
+    frees = [plain("llama", ids, do_sample=False, max_new_tokens=30) for ids in texts]
+    head = budget_for(target, drafting_head(target, frees), budget)
+    accepted = []
+    for seed, (ids, free) in enumerate(zip(texts, frees)):
+        calls = []
+        for use_head in (False, True):
+            processor, criterion = CountingBias(vocab), StopAfterCalls(21)
+            kw = dict(do_sample=do_sample, max_new_tokens=30, logits_processor=LogitsProcessorList([processor]),
+                      stopping_criteria=StoppingCriteriaList([criterion]))
+            torch.manual_seed(seed)
+            if use_head:
+                out, lengths = dart(target, head, ids, reference=ref, **kw)
+                accepted += lengths
+            else:
+                ref = target.generate(ids, **kw)
+            calls.append((processor.calls, criterion.calls))
+        assert ref.shape[1] == ids.shape[1] + 21, "the criterion must end the text"
+        assert torch.equal(out, ref), f"prompt {seed}: DART diverged from plain generate"
+        assert calls[1][1] == calls[0][1] and calls[1][0] >= calls[0][0], calls
+    assert max(accepted) > 1, "no draft token was accepted: the case did not exercise tree acceptance"
+
+
 # ------------------------------------------------------------------------------------------------ 3. sampling
 SAMPLING = {
     "temperature_1": dict(temperature=1.0, top_k=0),
     "top_k_top_p": dict(temperature=0.7, top_k=20, top_p=0.9),
     "repetition_penalty": dict(temperature=0.9, top_k=0, repetition_penalty=1.3),
+    "synthid_watermark": dict(temperature=1.0, top_k=0, watermarking_config=SYNTHID),
 }
 
 
 SAMPLING_CASES = [("temperature_1", b) for b in (1, 3, 12, 40, "auto")] + [
-    (setting, b) for setting in ("top_k_top_p", "repetition_penalty") for b in (12, "auto")]
+    (setting, b) for setting in ("top_k_top_p", "repetition_penalty") for b in (12, "auto")] + [
+    ("synthid_watermark", 12)]
 
 
 @pytest.mark.parametrize("setting, budget", SAMPLING_CASES)

@@ -18,7 +18,9 @@ What plain batched `generate` does, and how it is kept:
   decoding a stopped row until every row has stopped; here such a row stays in the batch until the final length
   (the longest stop) is known and reached, and is cut there.
 - Logits processors see the row exactly as `generate` gives it (left padding included, length prompt + t), at its
-  own batch index (`RowProcessor`: processors may hold per-row state, as repetition penalty's prompt lengths).
+  own batch index (`RowProcessor`: processors may hold per-row settings, as repetition penalty's prompt lengths).
+  They are called once per row and token, not once per token for the batch, so state kept across calls would see
+  other calls than in `generate` (SynthID watermarking is refused: `loop.check_processors`).
 - Sampling: per row, the single-row walk's rule (the target's own draw at each visited node, one multinomial per
   token). The same seed gives the same batch; the draws are not those of plain batched `generate`, whose single
   multinomial per step covers all rows at once.

@@ -15,6 +15,10 @@ from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import Accepted, accept_greedy, accept_walk
@@ -63,9 +67,10 @@ def dart_decode(
     dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware policy (default: the head's).
     """
     _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
+    batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
+    check_processors(logits_processor, "a batch" if batched else None)
     head, stats = dart_head, prepare_call(dart_head, model, dart_stats)
     cache = _empty_cache(model, model_kwargs)
-    batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
     if batched:
         check_batch_call(model_kwargs.get("attention_mask"), cache)
     use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
@@ -168,6 +173,27 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
             f"target's context of {max_pos} positions"
         )
     check_tree_target(model)
+
+
+def check_processors(logits_processor: LogitsProcessorList | None, other_layout: str | None) -> None:
+    """Refuse the processors `generate` builds that hold state across calls, which DART cannot feed as plain
+    `generate` does. The tree loop on one row calls processors once per new token, in order, with the row as plain
+    `generate` shows it, so stateful ones stay exact there; `other_layout` names a call that does not ("a batch":
+    each row is processed on its own, at its own pace; chain mode: transformers' assisted loop processes every
+    drafted position, rejected ones included). Custom processors are not inspected: the README asks that those
+    depend only on their arguments."""
+    for processor in logits_processor or ():
+        if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor):
+            raise ValueError(
+                "guidance_scale (classifier-free guidance) runs the target inside a logits processor, with its own "
+                "cache, once per token; DART decoding does not support it (use plain generate)"
+            )
+        if isinstance(processor, SynthIDTextWatermarkLogitsProcessor) and other_layout:
+            raise ValueError(
+                f"SynthID watermarking keeps a state that assumes one processor call per token for the whole "
+                f"batch; DART cannot keep that order in {other_layout} (it is exact in the default tree mode, "
+                f"one row per call)"
+            )
 
 
 def _empty_cache(model, model_kwargs: dict) -> DynamicCache:

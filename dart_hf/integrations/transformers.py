@@ -31,7 +31,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..core.drafter import DartDrafter, default_node_budget, draft_depth
-from ..core.loop import dart_decode, prepare_call
+from ..core.loop import check_processors, dart_decode, prepare_call
 from ..core.modeling import DartHead
 from ..core.runtime import DartRuntime, dart_runtime
 from ..core.stats import DartStats, PhaseTimer
@@ -196,6 +196,7 @@ def _get_candidate_generator(self, generation_config, *args, assistant_model=Non
     call = _CHAIN_CALL.get()
     if call is None:
         raise RuntimeError("DART chain mode runs through target.generate(..., assistant_model=head, dart_mode='chain')")
+    check_processors(kwargs.get("logits_processor"), 'dart_mode="chain" (transformers\' assisted decoding)')
     return DartCandidateGenerator(assistant_model, self, generation_config, call)
 
 
