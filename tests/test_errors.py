@@ -189,6 +189,32 @@ def test_synthid_watermarking_where_its_call_order_cannot_be_kept(llama, llama_h
         run(llama, llama_head, ids.repeat(2, 1) if call == "batch" else ids, mode=call.replace("batch", "tree"), **kw)
 
 
+def test_inputs_embeds(llama, llama_head):
+    """Tree mode prefills from input_ids: inputs_embeds beside them used to be ignored (other text than plain
+    `generate` with soft prompts). Chain mode passes them on, and needs the ids the head drafts from."""
+    ids = prompts(1, seed=5)[0]
+    soft = llama.get_input_embeddings()(ids) + 0.5 * torch.randn(1, ids.shape[1], TINY["hidden_size"],
+                                                                  generator=torch.Generator().manual_seed(0))
+    for kw in (dict(inputs_embeds=soft), dict(input_ids=ids, inputs_embeds=soft)):
+        with pytest.raises(ValueError, match="inputs_embeds is not supported"):
+            llama.generate(**kw, assistant_model=llama_head, do_sample=False, max_new_tokens=4)
+    with pytest.raises(ValueError, match="chain.*needs input_ids"):
+        llama.generate(inputs_embeds=soft, assistant_model=llama_head, dart_mode="chain", max_new_tokens=4)
+    kw = dict(input_ids=ids, inputs_embeds=soft, do_sample=False, max_new_tokens=8)
+    plain = llama.generate(**kw)
+    assert not torch.equal(plain, llama.generate(ids, do_sample=False, max_new_tokens=8))  # the embeddings matter
+    assert torch.equal(llama.generate(**kw, assistant_model=llama_head, dart_mode="chain"), plain)
+
+
+@pytest.mark.parametrize("flag", ["output_attentions", "output_hidden_states"])
+def test_per_token_attentions_or_hidden_states(llama, llama_head, flag):
+    """A tree forward's attentions and hidden states are over draft nodes: refused in the output, not returned as
+    None where plain `generate` returns them; without return_dict_in_generate the flag changes nothing."""
+    with pytest.raises(ValueError, match="attentions or hidden states"):
+        run(llama, llama_head, return_dict_in_generate=True, **{flag: True})
+    assert torch.equal(run(llama, llama_head, **{flag: True}), run(llama, llama_head))
+
+
 def test_unknown_dart_mode(llama, llama_head):
     with pytest.raises(ValueError, match="dart_mode.*'bogus'"):
         run(llama, llama_head, mode="bogus")

@@ -50,12 +50,13 @@ Cases (pytest ids in brackets):
 
 Lossless checks that stay next to the mechanism they exercise: every decoder-only model type, tree and chain
 (test_target_matrix.py); window-deep accepted paths with an oracle drafter (test_sliding_window.py); half precision,
-bitsandbytes and device_map="auto" targets (test_targets.py); converted reference heads (test_convert.py); the
-custom_generate folder without dart_hf (test_hub.py); the bench's methods (test_bench.py); the model-type override, a
-head after refusing another target, output up to the context limit, an all-ones attention mask (test_errors.py); a
-bf16 head cast for an fp32 target (test_user_paths.py); sampling against the exact distribution, chi-square
-(test_sampling.py, test_sliding_window.py); the real SmolLM2-135M (greedy, seeded sampling) and Qwen2.5-Coder-0.5B
-targets with their shipped heads (test_smollm2.py, test_qwen_coder.py: marked slow, in the default run).
+bitsandbytes, device_map="auto" and image-text targets (test_targets.py); converted reference heads
+(test_convert.py); the custom_generate folder without dart_hf (test_hub.py); the bench's methods (test_bench.py); the
+model-type override, a head after refusing another target, output up to the context limit, an all-ones attention
+mask, inputs_embeds in chain mode (test_errors.py); a bf16 head cast for an fp32 target (test_user_paths.py); sampling
+against the exact distribution, chi-square (test_sampling.py, test_sliding_window.py); the real SmolLM2-135M (greedy,
+seeded sampling) and Qwen2.5-Coder-0.5B targets with their shipped heads (test_smollm2.py, test_qwen_coder.py: marked
+slow, in the default run).
 """
 
 from __future__ import annotations

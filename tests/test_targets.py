@@ -1,4 +1,5 @@
-"""Targets as people load them: half precision, bitsandbytes 4-bit / 8-bit, and `device_map="auto"`.
+"""Targets as people load them: half precision, bitsandbytes 4-bit / 8-bit, `device_map="auto"`, and an image-text
+model.
 
 Each test loads the head the way a user would (`AutoModel.from_pretrained(head_dir, ...)`), readies it for the target
 with `prepare_head`, and checks that DART's greedy output equals plain `generate` on the same target.
@@ -12,7 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    BitsAndBytesConfig,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+)
 
 import dart_hf
 from conftest import make_head, make_target, prompts
@@ -119,3 +128,29 @@ def test_head_goes_beside_the_last_decoder_layer():
     assert module_device(layers[-1]) == torch.device("cpu")
     del layers[-1]._hf_hook
     assert module_device(nn.Linear(2, 2).to(torch.device("meta"))) == torch.device("meta")
+
+
+# ---------------------------------------------------------------------------------------------------- image-text
+def test_image_text_target():
+    """A Llava target: text-only prompts decode in tree mode; with an image, tree mode (which feeds the target
+    input_ids alone) refuses, naming the input, where it used to give other text; chain mode passes the image on."""
+    torch.manual_seed(0)
+    text = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
+                       eos_token_id=1, pad_token_id=2)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=32)
+    target = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_id=120,
+                                                       vision_feature_layer=-1)).eval()
+    head = dart_hf.DartHead.from_target(target, draft_length=4).eval()
+    g = torch.Generator().manual_seed(1)
+    words = torch.randint(3, 100, (1, 12), generator=g)
+    kw = dict(do_sample=False, max_new_tokens=10)
+    assert torch.equal(target.generate(words, assistant_model=head, **kw), target.generate(words, **kw))
+    ids = torch.cat([torch.tensor([[0]]), torch.full((1, 4), 120), words], dim=1)  # 4 image tokens: 2 x 2 patches
+    image, other = torch.randn(2, 1, 3, 28, 28, generator=g)
+    plain = target.generate(ids, pixel_values=image, **kw)
+    assert not torch.equal(plain, target.generate(ids, pixel_values=other, **kw))  # the image matters
+    with pytest.raises(ValueError, match="input_ids and attention_mask only.*images"):
+        target.generate(ids, pixel_values=image, assistant_model=head, **kw)
+    assert torch.equal(target.generate(ids, pixel_values=image, assistant_model=head, dart_mode="chain", **kw), plain)

@@ -70,6 +70,7 @@ def dart_decode(
     batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
     check_processors(logits_processor, "a batch" if batched else None)
     head, stats = dart_head, prepare_call(dart_head, model, dart_stats)
+    _check_model_inputs(model_kwargs, generation_config)  # after the head / target checks, which name the cause first
     cache = _empty_cache(model, model_kwargs)
     if batched:
         check_batch_call(model_kwargs.get("attention_mask"), cache)
@@ -173,6 +174,33 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
             f"target's context of {max_pos} positions"
         )
     check_tree_target(model)
+
+
+# What `generate` hands the decoding method besides input_ids that this loop honours (position ids: `generate`
+# derives its own from the attention mask, as the loop does; the output flags: `_check_model_inputs`)
+MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                          "position_ids", "output_attentions", "output_hidden_states"})
+
+
+def _check_model_inputs(model_kwargs: dict, generation_config: GenerationConfig) -> None:
+    """Refuse model inputs the tree loop would not feed the target (it prefills and verifies from input_ids and the
+    attention mask alone), so they cannot silently change the text: inputs_embeds, images and other modalities; and
+    per-step attentions / hidden states, which a tree forward computes over draft nodes, not the emitted tokens."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("DART tree decoding reads the prompt as input_ids; inputs_embeds is not supported "
+                         "(dart_mode=\"chain\" takes it beside input_ids)")
+    # (multimodal models get an empty `mm_encoder_outputs` when the call has no media)
+    given = {k for k, v in model_kwargs.items() if v is not None and not (isinstance(v, (dict, list, tuple)) and not v)}
+    extra = sorted(given - MODEL_INPUTS)
+    if extra:
+        raise ValueError(f"DART tree decoding feeds the target input_ids and attention_mask only, not {extra} "
+                         f"(images, other modalities); dart_mode=\"chain\" (transformers' assisted decoding) passes "
+                         f"them to the target")
+    if generation_config.return_dict_in_generate and any(
+            model_kwargs.get(f) or getattr(generation_config, f, False)
+            for f in ("output_attentions", "output_hidden_states")):
+        raise ValueError("DART tree decoding does not return per-token attentions or hidden states (its target "
+                         "forwards run over draft trees); output_scores and output_logits are supported")
 
 
 def check_processors(logits_processor: LogitsProcessorList | None, other_layout: str | None) -> None:

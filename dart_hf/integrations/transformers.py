@@ -151,6 +151,13 @@ def _check_chain_batch(args: tuple, kwargs: dict) -> None:
         )
 
 
+def _check_chain_inputs(args: tuple, kwargs: dict) -> None:
+    """The head drafts from token ids: chain mode needs them even where the target reads inputs_embeds."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if kwargs.get("inputs_embeds") is not None and (not isinstance(ids, torch.Tensor) or ids.numel() == 0):
+        raise ValueError('DART dart_mode="chain" needs input_ids (the head drafts from them) beside inputs_embeds')
+
+
 def _check_chain_stops(model, kwargs: dict) -> None:
     """Chain mode is transformers' assisted decoding, which checks stopping criteria and stop strings once per step,
     on the sequence's end: a stop met inside an accepted chain is passed over and the text runs on (transformers does
@@ -177,6 +184,7 @@ def _generate(self, *args, assistant_model=None, **kwargs):
     if mode == "chain":
         check_chain_target(self)
         _check_chain_batch(args, kwargs)
+        _check_chain_inputs(args, kwargs)
         _check_chain_stops(self, kwargs)
         return _chain_generate(self, assistant_model, args, kwargs)
     check_tree_target(self)  # before generate prepares anything
