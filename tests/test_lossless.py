@@ -41,8 +41,9 @@ Cases (pytest ids in brackets):
    `test_seeded_sampling_across_architectures[arch]`: temperature 0.8, 32 tokens, the random head's own drafts, on the
    7 architectures of case 1. (Chain mode samples with transformers' speculative sampling: exact in distribution, not
    seed for seed.)
-4. `test_entry_points[entry]`: `pipeline(..., assistant_model=head)` at construction and at call time,
-   `generate(custom_generate=dart_hf.dart_decode, dart_head=head)`, one head reused across calls and two targets.
+4. `test_entry_points[entry]`: `pipeline(..., assistant_model=head)` at construction (the head or its folder) and at
+   call time, `generate(custom_generate=dart_hf.dart_decode, dart_head=head)`, one head reused across calls and two
+   targets.
 5. `test_per_call_budget_and_lookup[override]` (oracle): 64 tokens with `dart_node_budget` 0 (plain decoding in the
    loop), 1, 5, "auto" on a fixed-budget head, and `dart_prompt_lookup` False / True overriding the head's config.
 6. `test_a_lookup_that_is_always_wrong`: prompt lookup proposing confident garbage, tree and chain mode.
@@ -402,9 +403,9 @@ def test_seeded_sampling_across_architectures(tiny_target, plain, arch):
 
 
 # ------------------------------------------------------------------------------------------------ 4. entry points
-@pytest.mark.parametrize("entry", ["pipeline_built_with_head", "pipeline_call_with_head", "custom_generate",
-                                   "head_across_targets"])
-def test_entry_points(tiny_target, plain, entry):
+@pytest.mark.parametrize("entry", ["pipeline_built_with_head", "pipeline_built_with_head_folder",
+                                   "pipeline_call_with_head", "custom_generate", "head_across_targets"])
+def test_entry_points(tiny_target, plain, entry, tmp_path):
     if entry.startswith("pipeline"):
         target, tok = word_target(), stop_word_tokenizer()  # its own: a pipeline may change the generation config
         head = make_head(target)
@@ -412,6 +413,11 @@ def test_entry_points(tiny_target, plain, entry):
         ref = pipeline("text-generation", model=target, tokenizer=tok)(text, **kw)
         if entry == "pipeline_built_with_head":
             out = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=head)(text, **kw)
+        elif entry == "pipeline_built_with_head_folder":  # a folder or Hub id, as pipelines take assistants
+            head.save_pretrained(tmp_path / "head")
+            generator = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=str(tmp_path / "head"))
+            out, head = generator(text, **kw), generator.assistant_model
+            assert isinstance(head, dart_hf.DartHead)
         else:
             out = pipeline("text-generation", model=target, tokenizer=tok)(text, assistant_model=head, **kw)
         assert out == ref

@@ -208,8 +208,20 @@ def _get_candidate_generator(self, generation_config, *args, assistant_model=Non
     return DartCandidateGenerator(assistant_model, self, generation_config, call)
 
 
+def _names_a_head(name: str) -> bool:
+    """Whether `name` (a folder or Hub repo id, as pipelines take `assistant_model`) holds a DART head's config:
+    transformers would load it as a causal LM, which a head is not."""
+    try:
+        config, _ = DartHead.config_class.get_config_dict(name)
+    except (OSError, ValueError):
+        return False  # transformers' own loader says what is wrong with it
+    return config.get("model_type") == DartHead.config_class.model_type
+
+
 @functools.wraps(_original_load_assistant_model)
 def _load_assistant_model(model, assistant_model, assistant_tokenizer):
+    if isinstance(assistant_model, str) and _names_a_head(assistant_model):
+        assistant_model = DartHead.from_pretrained(assistant_model).eval()  # as AutoModel would load it
     if isinstance(assistant_model, DartHead):
         check_head_matches_target(assistant_model, model)
         return assistant_model, None  # the head drafts in the target's own vocabulary
