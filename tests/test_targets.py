@@ -131,6 +131,57 @@ def test_head_goes_beside_the_last_decoder_layer():
 
 
 # ---------------------------------------------------------------------------------------------------- image-text
+IMAGE_TEXT = ["llava", "qwen2_vl", "qwen3_vl", "mllama", "gemma3", "paligemma", "idefics3"]
+TINY_VISION = dict(hidden_size=32, embed_dim=32, intermediate_size=64, num_hidden_layers=1, depth=1,
+                   num_attention_heads=2, num_heads=2, out_hidden_size=64, projection_dim=32)
+
+
+def tiny_image_text_target(model_type: str):
+    """A tiny random `AutoModelForImageTextToText` of `model_type`: the text model as the target matrix sizes it
+    (4 layers, windows of 8), a one-layer vision tower."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from dart_hf.tools.targets import TINY, TINY_FIXES
+
+    config = AutoConfig.for_model(model_type)
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None)
+    text_sizes = {**TINY, "vocab_size": 256, "num_hidden_layers": 4, **TINY_FIXES.get(text.model_type, {})}
+    for sub, values in ((text, text_sizes), (getattr(config, "vision_config", None), TINY_VISION)):
+        for name, value in values.items():
+            if sub is not None and hasattr(sub, name):
+                setattr(sub, name, value)
+    if layer_types:
+        text.layer_types = (list(layer_types) * 4)[: text.num_hidden_layers]
+    if getattr(text, "sliding_window", None):
+        text.sliding_window = 8
+    if model_type == "qwen2_vl":  # multimodal RoPE: sections of the (tiny) rotary half
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": [2, 3, 3]}
+    torch.manual_seed(0)
+    target = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():  # a sharper random target: fewer near-ties between the two best logits
+        target.get_output_embeddings().weight.mul_(4.0)
+    target.generation_config.eos_token_id = None
+    return target
+
+
+@pytest.mark.parametrize("model_type", IMAGE_TEXT)
+def test_image_text_targets_on_text_prompts(model_type):
+    """Text-only prompts through the composite model's own forward (multimodal RoPE, cross-attention layers, prefix
+    masks), tree and chain mode, with the target's own text as n-gram so that tree mode accepts multi-token paths."""
+    target = tiny_image_text_target(model_type)
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(1))
+    kw = dict(do_sample=False, max_new_tokens=12)
+    plain = target.generate(ids, **kw)
+    head = dart_hf.DartHead.from_target(target, draft_length=4, tree_top_k=64, beam_width=16, node_budget=32,
+                                        ngram_weight=8.0).eval()
+    head.ngram = dart_hf.NGramModel.build([plain[0].tolist()], order=3, vocab_size=head.config.vocab_size,
+                                          progress=False)
+    assert torch.equal(target.generate(ids, assistant_model=head, **kw), plain)
+    assert max(head.stats["accepted_lengths"]) > 1, "no multi-token path was accepted: tree compaction did not run"
+    assert torch.equal(target.generate(ids, assistant_model=head, dart_mode="chain", **kw), plain)
+
+
 def test_image_text_target():
     """A Llava target: text-only prompts decode in tree mode; with an image, tree mode (which feeds the target
     input_ids alone) refuses, naming the input, where it used to give other text; chain mode passes the image on."""
