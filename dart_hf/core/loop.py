@@ -182,6 +182,12 @@ MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", "use_cac
                           "position_ids", "output_attentions", "output_hidden_states"})
 
 
+def _unset(value) -> bool:
+    """None, False (a flag turned off) or empty (multimodal models get an empty `mm_encoder_outputs` when the call
+    has no media)."""
+    return value is None or value is False or (isinstance(value, (dict, list, tuple)) and not value)
+
+
 def _check_model_inputs(model_kwargs: dict, generation_config: GenerationConfig) -> None:
     """Refuse model inputs the tree loop would not feed the target (it prefills and verifies from input_ids and the
     attention mask alone), so they cannot silently change the text: inputs_embeds, images and other modalities; and
@@ -189,8 +195,7 @@ def _check_model_inputs(model_kwargs: dict, generation_config: GenerationConfig)
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("DART tree decoding reads the prompt as input_ids; inputs_embeds is not supported "
                          "(dart_mode=\"chain\" takes it beside input_ids)")
-    # (multimodal models get an empty `mm_encoder_outputs` when the call has no media)
-    given = {k for k, v in model_kwargs.items() if v is not None and not (isinstance(v, (dict, list, tuple)) and not v)}
+    given = {k for k, v in model_kwargs.items() if not _unset(v)}
     extra = sorted(given - MODEL_INPUTS)
     if extra:
         raise ValueError(f"DART tree decoding feeds the target input_ids and attention_mask only, not {extra} "
