@@ -415,7 +415,7 @@ def test_entry_points(tiny_target, plain, entry, tmp_path):
             out = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=head)(text, **kw)
         elif entry == "pipeline_built_with_head_folder":  # a folder or Hub id, as pipelines take assistants
             head.save_pretrained(tmp_path / "head")
-            generator = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=str(tmp_path / "head"))
+            generator = pipeline("text-generation", model=target, tokenizer=tok, assistant_model=tmp_path / "head")
             out, head = generator(text, **kw), generator.assistant_model
             assert isinstance(head, dart_hf.DartHead)
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -220,7 +221,7 @@ def _names_a_head(name: str) -> bool:
 
 @functools.wraps(_original_load_assistant_model)
 def _load_assistant_model(model, assistant_model, assistant_tokenizer):
-    if isinstance(assistant_model, str) and _names_a_head(assistant_model):
+    if isinstance(assistant_model, (str, os.PathLike)) and _names_a_head(str(assistant_model)):
         assistant_model = DartHead.from_pretrained(assistant_model).eval()  # as AutoModel would load it
     if isinstance(assistant_model, DartHead):
         check_head_matches_target(assistant_model, model)
