@@ -206,6 +206,27 @@ def test_inputs_embeds(llama, llama_head):
     assert torch.equal(llama.generate(**kw, assistant_model=llama_head, dart_mode="chain"), plain)
 
 
+def test_custom_position_ids(llama, llama_head):
+    """Plain `generate` feeds the target the caller's position_ids, the tree loop derives its own from the mask:
+    only the ones `generate` would derive itself pass (a left-padded batch's included)."""
+    ids = prompts(1, seed=5)[0]
+    plain = llama.generate(ids, do_sample=False, max_new_tokens=4, return_dict_in_generate=True, output_logits=True)
+    spread = torch.arange(ids.shape[1]).unsqueeze(0) * 3
+    moved = llama.generate(ids, position_ids=spread, do_sample=False, max_new_tokens=4, return_dict_in_generate=True,
+                           output_logits=True)
+    assert not torch.allclose(plain.logits[0], moved.logits[0])  # plain generate uses them
+    with pytest.raises(ValueError, match="custom position_ids"):
+        run(llama, llama_head, ids, position_ids=spread)
+    assert torch.equal(run(llama, llama_head, ids, position_ids=torch.arange(ids.shape[1]).unsqueeze(0)),
+                       plain.sequences)
+    rows = torch.cat([torch.full((1, 3), 2), ids[:, 3:]], dim=1).repeat(2, 1)
+    mask = torch.ones_like(rows)
+    mask[0, :3] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert torch.equal(run(llama, llama_head, rows, attention_mask=mask, position_ids=positions),
+                       llama.generate(rows, attention_mask=mask, do_sample=False, max_new_tokens=4))
+
+
 @pytest.mark.parametrize("flag", ["output_attentions", "output_hidden_states"])
 def test_per_token_attentions_or_hidden_states(llama, llama_head, flag):
     """A tree forward's attentions and hidden states are over draft nodes: refused in the output, not returned as

@@ -70,7 +70,7 @@ def dart_decode(
     batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
     check_processors(logits_processor, "a batch" if batched else None)
     head, stats = dart_head, prepare_call(dart_head, model, dart_stats)
-    _check_model_inputs(model_kwargs, generation_config)  # after the head / target checks, which name the cause first
+    _check_model_inputs(model, input_ids, model_kwargs, generation_config)  # after the head / target checks
     cache = _empty_cache(model, model_kwargs)
     if batched:
         check_batch_call(model_kwargs.get("attention_mask"), cache)
@@ -188,10 +188,22 @@ def _unset(value) -> bool:
     return value is None or value is False or (isinstance(value, (dict, list, tuple)) and not value)
 
 
-def _check_model_inputs(model_kwargs: dict, generation_config: GenerationConfig) -> None:
+def _default_positions(model, input_ids: torch.Tensor, attention_mask, positions: torch.Tensor) -> bool:
+    """Whether `positions` are the ones `generate` derives when the caller passes none (the model's own rule: image-text
+    models add their multimodal axes), which the loop's positions follow."""
+    derived = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask})
+    try:  # (without a mask `generate` derives one row of positions for the whole batch)
+        derived = derived.to(positions.device).expand_as(positions)
+    except RuntimeError:
+        return False
+    return torch.equal(derived, positions)
+
+
+def _check_model_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, generation_config: GenerationConfig):
     """Refuse model inputs the tree loop would not feed the target (it prefills and verifies from input_ids and the
-    attention mask alone), so they cannot silently change the text: inputs_embeds, images and other modalities; and
-    per-step attentions / hidden states, which a tree forward computes over draft nodes, not the emitted tokens."""
+    attention mask alone), so they cannot silently change the text: inputs_embeds, images and other modalities,
+    position ids other than the ones `generate` derives from the mask; and per-step attentions / hidden states,
+    which a tree forward computes over draft nodes, not the emitted tokens."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("DART tree decoding reads the prompt as input_ids; inputs_embeds is not supported "
                          "(dart_mode=\"chain\" takes it beside input_ids)")
@@ -201,6 +213,11 @@ def _check_model_inputs(model_kwargs: dict, generation_config: GenerationConfig)
         raise ValueError(f"DART tree decoding feeds the target input_ids and attention_mask only, not {extra} "
                          f"(images, other modalities); dart_mode=\"chain\" (transformers' assisted decoding) passes "
                          f"them to the target")
+    positions = model_kwargs.get("position_ids")
+    mask = model_kwargs.get("attention_mask")
+    if positions is not None and not _default_positions(model, input_ids, mask, positions):
+        raise ValueError("DART tree decoding places tokens by the attention mask (as plain generate does when no "
+                         "position_ids are passed); custom position_ids are not supported")
     if generation_config.return_dict_in_generate and any(
             model_kwargs.get(f) or getattr(generation_config, f, False)
             for f in ("output_attentions", "output_hidden_states")):
