@@ -21,7 +21,6 @@ from transformers import (
 import dart_hf
 from conftest import TINY, make_head, make_target, prompts
 from dart_hf_cli import build_parser
-from dart_hf.core.loop import _default_positions
 from dart_hf.tools import bench, demo
 from dart_hf.training import pipeline
 
@@ -226,9 +225,6 @@ def test_custom_position_ids(llama, llama_head):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     assert torch.equal(run(llama, llama_head, rows, attention_mask=mask, position_ids=positions),
                        llama.generate(rows, attention_mask=mask, do_sample=False, max_new_tokens=4))
-    before_5_2 = object()  # a target without `_prepare_position_ids_for_generation`: the same rule, written out
-    assert _default_positions(before_5_2, rows, mask, positions) and _default_positions(before_5_2, rows, None, (
-        torch.arange(rows.shape[1]).expand_as(rows))) and not _default_positions(before_5_2, ids, None, spread)
 
 
 @pytest.mark.parametrize("flag", ["output_attentions", "output_hidden_states"])

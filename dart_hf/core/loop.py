@@ -176,8 +176,8 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
     check_tree_target(model)
 
 
-# What `generate` hands the decoding method besides input_ids that this loop honours (position ids: the ones
-# `generate` derives itself, `_default_positions`; the output flags: `_check_model_inputs`)
+# What `generate` hands the decoding method besides input_ids that this loop honours (position ids: `generate`
+# derives its own from the attention mask, as the loop does; the output flags: `_check_model_inputs`)
 MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
                           "position_ids", "output_attentions", "output_hidden_states"})
 
@@ -191,13 +191,7 @@ def _unset(value) -> bool:
 def _default_positions(model, input_ids: torch.Tensor, attention_mask, positions: torch.Tensor) -> bool:
     """Whether `positions` are the ones `generate` derives when the caller passes none (the model's own rule: image-text
     models add their multimodal axes), which the loop's positions follow."""
-    derive = getattr(model, "_prepare_position_ids_for_generation", None)  # transformers >= 5.2; before: its rule
-    if derive is not None:
-        derived = derive(input_ids, {"attention_mask": attention_mask})
-    elif attention_mask is not None:
-        derived = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    else:
-        derived = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    derived = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask})
     try:  # (without a mask `generate` derives one row of positions for the whole batch)
         derived = derived.to(positions.device).expand_as(positions)
     except RuntimeError:
