@@ -1,6 +1,10 @@
-"""What differs between the transformers 5.x releases dart_hf supports (pyproject: >=5.0,<6)."""
+"""Model code that predates transformers 5.24's renaming of the cache argument (remote-code targets, written for older
+releases), which dart_hf (pyproject: transformers >= 5.25) still has to feed."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import torch
 
@@ -23,3 +27,13 @@ def test_the_kv_cache_goes_by_the_name_this_transformers_takes():
     for model in (Before524(), From524()):
         assert model(**cache_kwargs(model, marker)) is marker
     assert list(cache_kwargs(Before524(), marker)) == ["past_key_values"]
+
+
+def test_an_older_transformers_is_refused_at_import():
+    """transformers 5.3 fails on DartConfig, 5.4 runs and captures no target states: the import says what to do."""
+    code = "import transformers; transformers.__version__ = '5.24.0'; import dart_hf"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode != 0 and "dart_hf needs transformers >= 5.25, found 5.24.0" in run.stderr, run.stderr
+    ok = subprocess.run([sys.executable, "-c", "import transformers; transformers.__version__ = '5.25.0.dev0'; "
+                         "import dart_hf"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr

@@ -47,7 +47,7 @@ from .ragged import RaggedCache
 from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
 from .stopping import fast_criteria, first_stop, first_stops
-from .target import OUTPUT_CACHE, cache_kwargs
+from .target import cache_kwargs
 from .tree_batch import TreeBatch
 from .verify import layer_window, verify_batch
 
@@ -368,7 +368,7 @@ def _result(rows: _Rows, total: int, pad_id, config: GenerationConfig, keep: boo
         sequences=sequences,
         scores=per_step(rows.scores) if keep and config.output_scores else None,
         logits=per_step(rows.logits) if keep and config.output_logits else None,
-        **{OUTPUT_CACHE: None},
+        cache=None,
     )
 
 

@@ -30,7 +30,6 @@ from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
 from .stopping import first_stop as _first_stop
 from .support import check_tree_target
-from .target import OUTPUT_CACHE as _OUTPUT_CACHE
 from .target import cache_kwargs, check_head_matches_target, prepare_head
 from .tree import DraftTree
 from .verify import compact_cache, verify_tree
@@ -176,8 +175,8 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
     check_tree_target(model)
 
 
-# What `generate` hands the decoding method besides input_ids that this loop honours (position ids: `generate`
-# derives its own from the attention mask, as the loop does; the output flags: `_check_model_inputs`)
+# What `generate` hands the decoding method besides input_ids that this loop honours (position ids: the ones
+# `generate` derives itself, `_default_positions`; the output flags: `_check_model_inputs`)
 MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
                           "position_ids", "output_attentions", "output_hidden_states"})
 
@@ -337,5 +336,5 @@ class _Output:
             sequences=input_ids,
             scores=tuple(self.scores) if self.config.output_scores else None,
             logits=tuple(self.logits) if self.config.output_logits else None,
-            **{_OUTPUT_CACHE: cache if self.config.use_cache else None},
+            cache=cache if self.config.use_cache else None,
         )

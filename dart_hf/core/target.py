@@ -13,19 +13,16 @@ from functools import lru_cache, partial
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .configuration import check_config_matches_target, dart_config_for_target  # noqa: F401 (re-exported)
 
 
-OUTPUT_CACHE = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-"""The `generate` output's cache field: `cache` from transformers 5.24 on, `past_key_values` before."""
 
 
 def cache_kwargs(model: nn.Module, cache) -> dict:
-    """`{name: cache}` for this model's forward: transformers 5.24 renamed `past_key_values` to `cache` (the old
-    name is still accepted with a warning until 5.40), while earlier 5.x releases take only `past_key_values` and
-    swallow an unknown `cache=` in `**kwargs`, which would run the target WITHOUT its KV cache."""
+    """`{name: cache}` for this model's forward: transformers 5.24 renamed `past_key_values` to `cache`, while model
+    code written before (remote-code targets) takes only `past_key_values` and may swallow an unknown `cache=` in
+    `**kwargs`, which would run the target WITHOUT its KV cache."""
     return {_cache_parameter(type(model)): cache}
 
 
