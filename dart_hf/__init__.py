@@ -10,10 +10,11 @@ from packaging.version import Version
 from transformers import AutoConfig, AutoModel
 
 # An older transformers fails deep inside (5.3: the config class; 5.4: no target states captured) or, worse, runs:
-# the floor is what the test suite and the target matrix were measured on (pyproject pins the same).
-if Version(transformers.__version__).release[:2] < (5, 25):
-    raise ImportError(f"dart_hf needs transformers >= 5.25, found {transformers.__version__}: "
-                      f"pip install -U 'transformers>=5.25,<6'")
+# the floor is what the test suite and the target matrix were measured on (pyproject and custom_generate/ pin it).
+TRANSFORMERS_FLOOR = "5.25"
+if Version(transformers.__version__).release[:2] < Version(TRANSFORMERS_FLOOR).release:
+    raise ImportError(f"dart_hf needs transformers >= {TRANSFORMERS_FLOOR}, found {transformers.__version__}: "
+                      f"pip install -U 'transformers>={TRANSFORMERS_FLOOR},<6'")
 
 from .integrations import transformers as _routing
 from .core.configuration import DartConfig

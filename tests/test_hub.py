@@ -74,7 +74,9 @@ def test_custom_generate_copy_is_core_verbatim_plus_the_entry(tmp_path, head):
     written = hub.write_custom_generate(folder)
     assert sorted(f"custom_generate/{p.name}" for p in (folder / "custom_generate").iterdir()) == written
     core = sorted(p for p in (REPO_ROOT / "dart_hf" / "core").glob("*.py") if p.name != "__init__.py")
-    assert written == sorted([f"custom_generate/{p.name}" for p in core] + ["custom_generate/generate.py"])
+    assert written == sorted([f"custom_generate/{p.name}" for p in core]
+                             + ["custom_generate/generate.py", "custom_generate/requirements.txt"])
+    assert (folder / "custom_generate" / "requirements.txt").read_text() == "transformers>=5.25\n"
     for path in core:  # every core module, whole and verbatim (the cost model behind node_budget=None included)
         assert (folder / "custom_generate" / path.name).read_text() == path.read_text(), path.name
     generate_py = (folder / "custom_generate" / "generate.py").read_text()

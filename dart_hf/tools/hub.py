@@ -20,7 +20,7 @@ from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
-from .. import __version__
+from .. import TRANSFORMERS_FLOOR, __version__
 from transformers.utils import CONFIG_NAME as CONFIG_FILE
 from transformers.utils import SAFE_WEIGHTS_NAME as WEIGHTS_FILE
 from ..core.ngram import FILE_NAME as NGRAM_FILE
@@ -77,8 +77,9 @@ def custom_generate_sources() -> dict[str, str]:
 
     Every `dart_hf/core/*.py` module is copied whole and verbatim (core modules import each other only as
     `from .x import y`, which transformers follows), and `dart_hf/integrations/custom_generate.py` becomes
-    `generate.py` with its `from ..core.x import` lines turned into `from .x import`. The same files serve every
-    head: generate.py finds the head from the `custom_generate=` argument it was called with.
+    `generate.py` with its `from ..core.x import` lines turned into `from .x import`, plus a `requirements.txt`
+    with dart_hf's transformers floor. The same files serve every head: generate.py finds the head from the
+    `custom_generate=` argument it was called with.
     """
     files = {
         f"{CUSTOM_GENERATE_DIR}/{path.name}": path.read_text(encoding="utf-8")
@@ -92,6 +93,8 @@ def custom_generate_sources() -> dict[str, str]:
     )
     files[f"{CUSTOM_GENERATE_DIR}/generate.py"] = header + entry
     _check_self_contained(files)
+    # transformers checks it before loading generate.py: an older release is refused with this line, not run
+    files[f"{CUSTOM_GENERATE_DIR}/requirements.txt"] = f"transformers>={TRANSFORMERS_FLOOR}\n"
     return files
 
 
