@@ -17,8 +17,6 @@ from transformers import PreTrainedModel
 from .configuration import check_config_matches_target, dart_config_for_target  # noqa: F401 (re-exported)
 
 
-
-
 def cache_kwargs(model: nn.Module, cache) -> dict:
     """`{name: cache}` for this model's forward: transformers 5.24 renamed `past_key_values` to `cache`, while model
     code written before (remote-code targets) takes only `past_key_values` and may swallow an unknown `cache=` in

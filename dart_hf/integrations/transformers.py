@@ -142,19 +142,15 @@ def _chain_generate(model, head: DartHead, args, kwargs):
             _CHAIN_CALL.reset(token)
 
 
-def _check_chain_batch(args: tuple, kwargs: dict) -> None:
-    """Chain mode is transformers' assisted decoding, which runs one row: say so, and where batches do run."""
+def _check_chain_inputs(args: tuple, kwargs: dict) -> None:
+    """Chain mode is transformers' assisted decoding, which runs one row: say so, and where batches do run. The head
+    drafts from token ids: chain mode needs them even where the target reads inputs_embeds."""
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] > 1:
         raise ValueError(
             f'DART dart_mode="chain" (transformers\' assisted decoding) supports batch size 1, got a batch of '
             f'{ids.shape[0]}; the default dart_mode="tree" decodes batches'
         )
-
-
-def _check_chain_inputs(args: tuple, kwargs: dict) -> None:
-    """The head drafts from token ids: chain mode needs them even where the target reads inputs_embeds."""
-    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if kwargs.get("inputs_embeds") is not None and (not isinstance(ids, torch.Tensor) or ids.numel() == 0):
         raise ValueError('DART dart_mode="chain" needs input_ids (the head drafts from them) beside inputs_embeds')
 
@@ -184,7 +180,6 @@ def _generate(self, *args, assistant_model=None, **kwargs):
         raise ValueError("assistant_model=DartHead already selects the decoding loop; drop custom_generate")
     if mode == "chain":
         check_chain_target(self)
-        _check_chain_batch(args, kwargs)
         _check_chain_inputs(args, kwargs)
         _check_chain_stops(self, kwargs)
         return _chain_generate(self, assistant_model, args, kwargs)
