@@ -26,6 +26,14 @@ def test_pyproject_lists_every_dart_hf_package():
     assert config["package-dir"] == {"dart_hf.model_cards": "model_cards"}
 
 
+def test_pyproject_pins_the_transformers_floor_dart_hf_checks():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    import dart_hf
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    assert f"transformers>={dart_hf.TRANSFORMERS_FLOOR},<6" in project["dependencies"]
+
+
 RESOLVE = """
 import json, dart_hf
 from dart_hf.tools.assets import shipped_head

@@ -334,23 +334,28 @@ def test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_t
     texts = varied_prompts(plain, "llama", 2, vocab)
     frees = [plain("llama", ids, do_sample=False, max_new_tokens=30) for ids in texts]
     head = budget_for(target, drafting_head(target, frees), budget)
+
+    def counted(ids, seed: int, reference=None):
+        """(output, accepted lengths, (processor calls, criterion calls)): plain `generate` without a reference,
+        DART drafting towards it with one."""
+        processor, criterion = CountingBias(vocab), StopAfterCalls(21)
+        kw = dict(do_sample=do_sample, max_new_tokens=30, logits_processor=LogitsProcessorList([processor]),
+                  stopping_criteria=StoppingCriteriaList([criterion]))
+        torch.manual_seed(seed)
+        if reference is None:
+            out, lengths = target.generate(ids, **kw), []
+        else:
+            out, lengths = dart(target, head, ids, reference=reference, **kw)
+        return out, lengths, (processor.calls, criterion.calls)
+
     accepted = []
-    for seed, (ids, free) in enumerate(zip(texts, frees)):
-        calls = []
-        for use_head in (False, True):
-            processor, criterion = CountingBias(vocab), StopAfterCalls(21)
-            kw = dict(do_sample=do_sample, max_new_tokens=30, logits_processor=LogitsProcessorList([processor]),
-                      stopping_criteria=StoppingCriteriaList([criterion]))
-            torch.manual_seed(seed)
-            if use_head:
-                out, lengths = dart(target, head, ids, reference=ref, **kw)
-                accepted += lengths
-            else:
-                ref = target.generate(ids, **kw)
-            calls.append((processor.calls, criterion.calls))
+    for seed, ids in enumerate(texts):
+        ref, _, plain_calls = counted(ids, seed)
+        out, lengths, dart_calls = counted(ids, seed, reference=ref)
+        accepted += lengths
         assert ref.shape[1] == ids.shape[1] + 21, "the criterion must end the text"
         assert torch.equal(out, ref), f"prompt {seed}: DART diverged from plain generate"
-        assert calls[1][1] == calls[0][1] and calls[1][0] >= calls[0][0], calls
+        assert dart_calls[1] == plain_calls[1] and dart_calls[0] >= plain_calls[0], (plain_calls, dart_calls)
     assert max(accepted) > 1, "no draft token was accepted: the case did not exercise tree acceptance"
 
 
