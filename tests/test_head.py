@@ -12,7 +12,7 @@ from transformers import AutoModel
 import dart_hf
 from conftest import TINY, make_head, make_target, prompts
 from dart_hf.core.modeling import packed_anchor_mask
-from dart_hf.core.target import AuxHiddenCapture
+from dart_hf.core.target import aux_request, aux_states
 
 K = 4  # draft_length of the heads below
 
@@ -34,9 +34,8 @@ def scramble(head: dart_hf.DartHead, seed: int = 0) -> dart_hf.DartHead:
 
 def target_states(target, ids: torch.Tensor, layer_ids) -> torch.Tensor:
     """aux [B, S, 3H]: the inputs of the target layers `layer_ids`, from one real target forward over ids."""
-    with torch.no_grad(), AuxHiddenCapture(target, layer_ids) as capture:
-        target(ids)
-        return capture.take()
+    with torch.no_grad():
+        return aux_states(target(ids, **aux_request(layer_ids)), layer_ids)
 
 
 def head_inputs(target, head, length: int = 12, batch: int = 1, seed: int = 0):

@@ -19,7 +19,6 @@ from transformers import DynamicCache
 import dart_hf
 from conftest import SLIDING, SLIDING_WINDOW, prefilled, sliding_target
 from dart_hf.core.drafter import DartDrafter
-from dart_hf.core.runtime import verify_runtime
 from dart_hf.core.tree import DraftTree, ancestor_mask
 from dart_hf.core.verify import compact_cache, verify_tree
 from dart_hf.tools.targets import tiny_config
@@ -44,11 +43,11 @@ def chain_tree(root: int, truth: list[int], wrong: list[int]) -> DraftTree:
 # ------------------------------------------------------------------------------------------------ verify + compaction
 @torch.no_grad()
 @pytest.mark.parametrize(
-    "model_type, attn, runtime",
-    [(m, a, r) for m in ("mistral", "gemma2", "gemma3_text") for a, r in (("sdpa", False), ("sdpa", True), ("eager", False))]
-    + [("gemma3_text", "flex_attention", False)],  # sliding and full layers: two BlockMasks of different lengths
+    "model_type, attn",
+    [(m, a) for m in ("mistral", "gemma2", "gemma3_text") for a in ("sdpa", "eager")]
+    + [("gemma3_text", "flex_attention")],  # sliding and full layers: two BlockMasks of different lengths
 )
-def test_tree_logits_equal_per_path_forwards_across_the_window(model_type, attn, runtime):
+def test_tree_logits_equal_per_path_forwards_across_the_window(model_type, attn):
     target = sliding_target(model_type, attn)
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 64, (1, 11), generator=g)
@@ -56,11 +55,7 @@ def test_tree_logits_equal_per_path_forwards_across_the_window(model_type, attn,
     tree = chain_tree(int(prefix[0, -1]), truth, wrong)
     past = prefix[:, :-1]
     cache = prefilled(target, past)
-    if runtime:
-        with verify_runtime(target):
-            logits = verify_tree(target, tree, cache, past_len=past.shape[1])
-    else:
-        logits = verify_tree(target, tree, cache, past_len=past.shape[1])
+    logits = verify_tree(target, tree, cache, past_len=past.shape[1])
     for i in range(tree.size):
         path = tree.ancestor_mask[i].nonzero().squeeze(1)
         seq = torch.cat([past, tree.tokens[path].unsqueeze(0)], dim=1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import WORDS, make_target, make_word_tokenizer
-from dart_hf.core.target import AuxHiddenCapture
+from dart_hf.core.target import aux_request, aux_states
 from dart_hf.tools.evaluation import acceptance_report
 from dart_hf.training import train as train_module
 from dart_hf.training.batches import AnchorCollator, anchor_positions
@@ -45,9 +45,9 @@ def test_features_of_a_padded_batch_line_up_with_a_plain_forward(setup):
     assert aux.shape[:2] == final.shape[:2] == (2, batch["ids"].shape[1] - 1)
     for row, seq in enumerate(pair):
         n = seq.ids.numel() - 1  # the last token is never fed
-        with AuxHiddenCapture(target, [1, 3, 4]) as cap, torch.no_grad():
-            hidden = target.get_decoder()(seq.ids[:-1].unsqueeze(0)).last_hidden_state[0]
-            ref = cap.take()[0]
+        with torch.no_grad():
+            out = target.get_decoder()(seq.ids[:-1].unsqueeze(0), **aux_request([1, 3, 4]))
+            hidden, ref = out.last_hidden_state[0], aux_states(out, [1, 3, 4])[0]
         assert ref.shape == (n, 3 * 64)
         torch.testing.assert_close(aux[row, :n], ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(final[row, :n], hidden, atol=1e-4, rtol=1e-4)

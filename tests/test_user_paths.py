@@ -30,14 +30,13 @@ def test_stats_have_one_layout_in_both_modes(llama, mode):
 
 # ------------------------------------------------------------------------------------------ runtime
 class Probe(BaseStreamer):
-    """Records, at each streamed chunk, what DART has installed on the target at that moment."""
+    """Records, at each streamed chunk, what is installed on the target and set in torch at that moment."""
 
     def __init__(self, target):
         self.target, self.seen = target, []
 
     def put(self, value):
-        layers = self.target.model.layers
-        self.seen.append((self.target.config._attn_implementation, sum(len(l._forward_pre_hooks) for l in layers)))
+        self.seen.append(installed(self.target))
 
     def end(self):
         pass
@@ -48,20 +47,23 @@ def installed(target) -> tuple:
     return (
         target.config._attn_implementation,
         sum(len(layer._forward_pre_hooks) for layer in layers),
-        [type(m).__name__ for m in target.modules() if "forward" in m.__dict__],
-        "dart_grouped_sdpa" in AttentionInterface._global_mapping,
+        tuple(type(m).__name__ for m in target.modules() if "forward" in m.__dict__),
+        tuple(sorted(AttentionInterface._global_mapping)),
+        torch.get_num_threads(),
     )
 
 
 @pytest.mark.parametrize("mode", ["tree", "chain"])
-def test_a_call_changes_the_target_only_while_it_runs(llama, llama_head, mode):
+def test_a_call_changes_nothing_on_the_target_or_in_torch_even_while_it_runs(llama, llama_head, mode):
+    """No hook, swapped forward, attention name or thread count: a plain call in another thread at the same moment
+    runs exactly as without DART (the layer inputs come back from the forward itself: `target.aux_request`)."""
     before = installed(llama)
-    assert before == ("sdpa", 0, [], False), "import dart_hf registered or patched something"
+    assert before[:3] == ("sdpa", 0, ()), "import dart_hf registered or patched something"
     probe = Probe(llama)
     llama.generate(prompts(1, seed=53)[0], assistant_model=llama_head, do_sample=False, max_new_tokens=12,
                    dart_mode=mode, streamer=probe)
     assert installed(llama) == before
-    assert probe.seen[-1] == ("dart_grouped_sdpa", 3)  # during the call: verify attention and the 3 capture hooks
+    assert len(probe.seen) > 2 and set(probe.seen) == {before}  # during the call too
 
 
 # ------------------------------------------------------------------------------------------ the head
@@ -88,4 +90,7 @@ def test_a_call_prepares_the_head_once_and_leaves_only_declared_state(llama, mod
     assert sorted(calls) == ["check_head_matches_target", "prepare_head"], calls
     assert next(head.parameters()).dtype == torch.float32  # moved / cast in place, as the README says
     assert set(vars(head)) == set(declared) and head.stats.mode == mode and head.budget_state is None
-    assert {k: v for k, v in vars(head).items() if k != "stats"} == {k: v for k, v in declared.items() if k != "stats"}
+    changed = {"stats", "_dart_placed"}
+    assert {k: v for k, v in vars(head).items() if k not in changed} == {
+        k: v for k, v in declared.items() if k not in changed}
+    assert head._dart_placed and head._placed_copies == {}

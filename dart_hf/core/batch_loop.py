@@ -44,10 +44,9 @@ from .budget import BudgetPolicy, path_ranks
 from .drafter import DartDrafter
 from .modeling import DartHead
 from .ragged import RaggedCache
-from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
 from .stopping import fast_criteria, first_stop, first_stops
-from .target import cache_kwargs
+from .target import aux_request, aux_states, cache_kwargs
 from .tree_batch import TreeBatch
 from .verify import layer_window, verify_batch
 
@@ -135,61 +134,60 @@ def decode_batch(
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    with dart_runtime(model, head) as runtime:
-        with timer.phase("prefill"):
-            raw, processed, first = _prefill(model, input_ids, attention_mask, mask, cache, logits_processor,
-                                             do_sample)
-            aux = runtime.take_aux()
-            for b, drafter in drafters.items():
-                left = rows.lefts[b]
-                drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]))
-        ragged = RaggedCache(cache, mask.bool())
-        active = list(range(len(rows)))
-        one = torch.ones(len(rows), dtype=torch.long, device=input_ids.device)
-        step = BatchAccepted(paths=torch.zeros_like(one).unsqueeze(1), lengths=one, tokens=first.unsqueeze(1),
-                             scores=processed.unsqueeze(1), logits=raw.unsqueeze(1))
-        stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
-        active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
-        out_stream.flush(active)
-        probe, budget, drafted_before = 0, node_budget, False
-        while active:
-            budget, probe = _step_budget(policy, node_budget, len(active), probe)
-            drafted = _drafting_seconds(timer)
-            trees = TreeBatch.stack(
-                [drafters[b].propose(rows.text(b), config.max_length - rows.length(b) - 1, timer, budget)
-                 .to(model.device) for b in active],
-                fill=int(pad_id) if pad_id is not None else 0,
-            )
-            with timer.phase("verify"):
-                logits = verify_batch(model, trees, ragged)
-                tree_aux = runtime.take_aux()
-            with timer.phase("accept"):
-                if greedy:
-                    step = accept_greedy_batch(trees, logits, keep)
-                else:
-                    step = BatchAccepted.from_rows([
-                        _walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b],
-                              RowProcessor(logits_processor, b, len(rows)), do_sample)
-                        for i, b in enumerate(active)
-                    ])
-                ragged.commit(step.paths, step.lengths)
-                lengths = step.lengths.tolist()
-                for i, b in enumerate(active):
-                    path = step.paths[i, : lengths[i]]
-                    drafters[b].advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]])
-                n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
-            if policy is not None and timer.exact:  # the batch rule's verify scale and (steady) drafting cost
+    aux_ids = head.config.aux_layer_ids
+    with timer.phase("prefill"):
+        raw, processed, first, aux = _prefill(model, input_ids, attention_mask, mask, cache, logits_processor,
+                                              do_sample, aux_ids)
+        for b, drafter in drafters.items():
+            left = rows.lefts[b]
+            drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]))
+    ragged = RaggedCache(cache, mask.bool())
+    active = list(range(len(rows)))
+    one = torch.ones(len(rows), dtype=torch.long, device=input_ids.device)
+    step = BatchAccepted(paths=torch.zeros_like(one).unsqueeze(1), lengths=one, tokens=first.unsqueeze(1),
+                         scores=processed.unsqueeze(1), logits=raw.unsqueeze(1))
+    stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
+    active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+    out_stream.flush(active)
+    probe, budget, drafted_before = 0, node_budget, False
+    while active:
+        budget, probe = _step_budget(policy, node_budget, len(active), probe)
+        drafted = _drafting_seconds(timer)
+        trees = TreeBatch.stack(
+            [drafters[b].propose(rows.text(b), config.max_length - rows.length(b) - 1, timer, budget)
+             .to(model.device) for b in active],
+            fill=int(pad_id) if pad_id is not None else 0,
+        )
+        with timer.phase("verify"):
+            logits, tree_aux = verify_batch(model, trees, ragged, aux_ids)
+        with timer.phase("accept"):
+            if greedy:
+                step = accept_greedy_batch(trees, logits, keep)
+            else:
+                step = BatchAccepted.from_rows([
+                    _walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b],
+                          RowProcessor(logits_processor, b, len(rows)), do_sample)
+                    for i, b in enumerate(active)
+                ])
+            ragged.commit(step.paths, step.lengths)
+            lengths = step.lengths.tolist()
+            for i, b in enumerate(active):
+                path = step.paths[i, : lengths[i]]
+                drafters[b].advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]])
+            n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
+        if policy is not None and timer.exact:  # the batch rule's verify scale and (steady) drafting cost
+            with policy.lock:
                 policy.batch_times.observe(len(trees.trees), budget, trees.tokens.numel(), timer.last["verify"],
                                            _drafting_seconds(timer) - drafted, steady=drafted_before)
-            drafted_before = budget > 0
-            if policy is not None and budget > 0:  # acceptance per row (a batched step is not a single-row step time)
-                for i, tree in enumerate(trees.trees):
-                    path = step.paths[i, : lengths[i]].to(tree.tokens.device)
-                    policy.observe(budget, path_ranks(tree, path).tolist())
-            stats.record_step(n_new, budget)
-            active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
-            ragged.compact()
-            out_stream.flush(active)
+        drafted_before = budget > 0
+        if policy is not None and budget > 0:  # acceptance per row (a batched step is not a single-row step time)
+            for i, tree in enumerate(trees.trees):
+                path = step.paths[i, : lengths[i]].to(tree.tokens.device)
+                policy.observe(budget, path_ranks(tree, path).tolist())
+        stats.record_step(n_new, budget)
+        active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+        ragged.compact()
+        out_stream.flush(active)
 
     total = _final_length(rows, pad_finished)
     if keep and pad_finished:
@@ -202,17 +200,19 @@ def decode_batch(
 
 
 # ------------------------------------------------------------------------------------------------ the steps
-def _prefill(model, input_ids, attention_mask, mask, cache, logits_processor, do_sample: bool):
-    """(raw logits, processed scores, first new token per row [B]) of the prompts: the forward `generate` runs
-    (2D mask, positions counted from each row's first real token) and its choice of token."""
+def _prefill(model, input_ids, attention_mask, mask, cache, logits_processor, do_sample: bool, aux_ids: list[int]):
+    """(raw logits, processed scores, first new token per row [B], the layer inputs the head reads [B, S, 3H]) of the
+    prompts: the forward `generate` runs (2D mask, positions counted from each row's first real token) and its choice
+    of token."""
     positions = (mask.cumsum(dim=-1) - 1).masked_fill(mask == 0, 0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1, **cache_kwargs(model, cache))
+                logits_to_keep=1, **cache_kwargs(model, cache), **aux_request(aux_ids))
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
+    aux = aux_states(out, aux_ids)
     if do_sample:
-        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1).squeeze(1)
-    return raw, processed, processed.argmax(dim=-1)
+        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1).squeeze(1), aux
+    return raw, processed, processed.argmax(dim=-1), aux
 
 
 class RowProcessor:
@@ -254,9 +254,10 @@ def _step_budget(policy: BudgetPolicy | None, fixed: int, rows: int, probe: int)
     it says draft (so the rule compares two measured verify times, not the curve's guess of one)."""
     if policy is None:
         return fixed, 0
-    budget = batch_budget(policy, rows)
-    if probe >= 31:
-        return (batch_budget(policy, rows, drafting_only=True) if budget == 0 else 0), 0
+    with policy.lock:
+        budget = batch_budget(policy, rows)
+        if probe >= 31:
+            return (batch_budget(policy, rows, drafting_only=True) if budget == 0 else 0), 0
     return budget, probe + 1
 
 

@@ -14,19 +14,26 @@ corrected, while one too dear is never timed again. Plain decoding is timed, nev
 until a probe replaces them), and when no tree has recent times the older ones stand.
 
 Steps that are not the choice: the first `warmup_steps` run the largest candidate (it informs every smaller one);
-plain decoding runs once per thread count; then probes, in turn the candidate above the choice, the runner-up tree,
-plain decoding (the best tree when plain is the choice) and the choice on the other thread count. A probe waits
-until `probe_share` of the time at the choice since the last probe exceeds its expected loss, so close alternatives
-are probed often and clearly worse ones rarely. On a multi-threaded CPU times are kept per (threads, budget): on a
-busy CPU every multi-threaded op waits for its slowest thread, and one thread can be several times faster.
+plain decoding runs once; then probes, in turn the candidate above the choice, the runner-up tree and plain decoding
+(the best tree when plain is the choice). A probe waits until `probe_share` of the time at the choice since the last
+probe exceeds its expected loss, so close alternatives are probed often and clearly worse ones rarely. Plain decoding
+here is exactly the step plain `generate` runs (one token, the target's stock kernels), so the rule never prices
+trees against a slower baseline.
+
+One policy may serve several calls at once (threads sharing a head): its statistics are guarded by a lock, and each
+thread times its own step.
 
 Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
-decoding and one tree, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint.
+decoding and one tree, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint (once per process).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
+import threading
 import time
 import warnings
 from collections import deque
@@ -35,6 +42,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import transformers
 
 from .batch_budget import BatchTimes
 from .cost import VerifyCost, cost_file, cost_key, load_curve, nearest_size
@@ -51,7 +59,6 @@ class BudgetKnobs:
     half_life: float = 256.0  # steps; discount of the acceptance counts
     no_curve_budget: int = 3  # the tree size without a calibrated curve, CPU
     no_curve_budget_gpu: int = 31  # ... on other devices (a verify costs about the same up to ~64 tokens)
-    try_one_thread: bool = True  # on a multi-threaded CPU, also time steps on one thread (a busy CPU: much faster)
     batch_window: int = 8  # recent batched steps whose verify time sets the curve's scale (median)
     batch_margin: float = 0.1  # a batch drafts only when a tree promises this much more than plain decoding
 
@@ -66,10 +73,8 @@ class BudgetPolicy:
     """Chooses each step's node budget (see the module docstring). `clock`: seconds, for the step times."""
 
     def __init__(self, curve: VerifyCost | None, knobs: BudgetKnobs | None = None, device_type: str = "cpu",
-                 clock: Callable[[], float] = time.perf_counter, threads: Sequence[int | None] = (None,)):
+                 clock: Callable[[], float] = time.perf_counter):
         self.curve, self.knobs, self.clock = curve, knobs or BudgetKnobs(), clock
-        self.thread_options = list(threads)  # CPU threads per step (None: leave them as they are)
-        self.threads = self.thread_options[0]
         k = self.knobs
         if curve is None:
             trees = [k.no_curve_budget if device_type == "cpu" else k.no_curve_budget_gpu]
@@ -81,24 +86,30 @@ class BudgetPolicy:
         self._verify = {} if curve is None else dict(zip(self.candidates, curve(np.add(self.candidates, 1.0))))
         self.inc = np.zeros(self.largest + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
         self.obs = np.zeros(self.largest + 1)  # obs[b]: (discounted) steps whose budget was >= b
-        self.times = {(th, b): deque(maxlen=k.window) for th in self.thread_options for b in self.candidates}
+        self.times = {b: deque(maxlen=k.window) for b in self.candidates}
         self.batch_times = BatchTimes(self)  # what batched steps measured (`batch_budget`)
         self.steps = 0
         self.choice = self.largest
-        self._started: float | None = None
+        self.lock = threading.RLock()  # calls in several threads may share this policy
+        self._step = threading.local()  # each thread's step start (`start`)
         self._since_probe = 0.0  # seconds of steps at the choice since the last probe
         self._probing = False
-        self._probe_turn = 0  # which probe comes next: above the choice, plain decoding, the other threads
+        self._probe_turn = 0  # which probe comes next: above the choice, the runner-up, plain decoding
 
     # -- observing
     def start(self) -> None:
-        """The step begins (its time runs until `observe`)."""
-        self._started = self.clock()
+        """This thread's step begins (its time runs until this thread's `observe`)."""
+        self._step.started = self.clock()
 
     def observe(self, budget: int, ranks: Sequence[int] = ()) -> None:
         """The step at `budget` ended; `ranks`: its accepted path's score ranks (`path_ranks`; none at budget 0)."""
-        seconds = self.clock() - self._started if self._started is not None else None
-        self._started = None
+        started = getattr(self._step, "started", None)
+        seconds = self.clock() - started if started is not None else None
+        self._step.started = None
+        with self.lock:
+            self._record(budget, ranks, seconds)
+
+    def _record(self, budget: int, ranks: Sequence[int], seconds: float | None) -> None:
         self.steps += 1
         if budget > 0:
             b = min(int(budget), self.largest)
@@ -107,8 +118,8 @@ class BudgetPolicy:
             self.obs *= self.decay
             np.add.at(self.inc, ranks[ranks < b] + 1, 1.0)
             self.obs[1 : b + 1] += 1.0
-        if seconds is not None and (self.threads, budget) in self.times:
-            self.times[(self.threads, budget)].append((self.steps, seconds))
+        if seconds is not None and budget in self.times:
+            self.times[budget].append((self.steps, seconds))
             self._since_probe += 0.0 if self._probing else seconds
 
     def observe_tree(self, tree: DraftTree, path: torch.Tensor, budget: int) -> None:
@@ -121,16 +132,13 @@ class BudgetPolicy:
         out = np.cumsum(rate)[self.candidates]
         return np.where((self.obs[self.candidates] > 0) | (np.array(self.candidates) == 0), out, np.nan)
 
-    def step_seconds(self, threads=None) -> np.ndarray:
-        """T(B) per candidate at `threads` (default: the current ones), as the module docstring says (nan: nothing
-        to go by)."""
-        th = self.threads if threads is None else threads
-        fresh = {b: [s for i, s in self.times[(th, b)] if self.steps - i < self.knobs.max_age]
-                 for b in self.candidates}
+    def step_seconds(self) -> np.ndarray:
+        """T(B) per candidate, as the module docstring says (nan: nothing to go by)."""
+        fresh = {b: [s for i, s in self.times[b] if self.steps - i < self.knobs.max_age] for b in self.candidates}
         if not any(fresh[b] for b in self.candidates[1:]):  # no recent tree: older times stand
-            fresh.update({b: [s for _, s in self.times[(th, b)]] for b in self.candidates[1:]})
+            fresh.update({b: [s for _, s in self.times[b]] for b in self.candidates[1:]})
         if not fresh[0]:  # plain decoding's last times stand until a probe replaces them (it is never priced)
-            fresh[0] = [s for _, s in self.times[(th, 0)]]
+            fresh[0] = [s for _, s in self.times[0]]
         timed = {b: statistics.median(t) for b, t in fresh.items() if t}
         out = np.full(len(self.candidates), np.nan)
         for i, b in enumerate(self.candidates):
@@ -156,42 +164,38 @@ class BudgetPolicy:
 
     # -- choosing
     def next_budget(self) -> int:
-        """The next step's budget; `self.threads`: the CPU threads it runs with."""
-        if self.steps < self.knobs.warmup_steps:
-            return self.largest
-        e = self.expected_accepted()
-        t = {th: self.step_seconds(th) for th in self.thread_options}
-        untimed = [th for th in self.thread_options if np.isnan(t[th][0])]
-        if untimed:  # plain decoding is timed once per thread count before anything is chosen
-            self.threads = untimed[0]
-            return 0
-        tps = {th: (1.0 + e) / t[th] for th in self.thread_options}
-        th = max(self.thread_options, key=lambda th: np.nanmax(tps[th]))
-        self.choice, self.threads = self.best(tps[th]), th
-        probe = self._probe(tps[th])
-        i = self.candidates.index(probe[1])
-        loss = t[probe[0]][i] - (1.0 + e[i]) / tps[th][self.candidates.index(self.choice)]  # beyond the choice
-        self._probing = self._since_probe * self.knobs.probe_share > (float(loss) if np.isfinite(loss) else 0.0)
-        if self._probing:
-            self._since_probe = 0.0
-            self._probe_turn += 1
-            self.threads = probe[0]
-            return probe[1]
-        return self.choice
+        """The next step's budget."""
+        with self.lock:
+            if self.steps < self.knobs.warmup_steps:
+                return self.largest
+            e = self.expected_accepted()
+            t = self.step_seconds()
+            if np.isnan(t[0]):  # plain decoding is timed once before anything is chosen
+                return 0
+            tps = (1.0 + e) / t
+            self.choice = self.best(tps)
+            probe = self._probe(tps)
+            i = self.candidates.index(probe)
+            loss = t[i] - (1.0 + e[i]) / tps[self.candidates.index(self.choice)]  # beyond the choice
+            self._probing = self._since_probe * self.knobs.probe_share > (float(loss) if np.isfinite(loss) else 0.0)
+            if self._probing:
+                self._since_probe = 0.0
+                self._probe_turn += 1
+                return probe
+            return self.choice
 
-    def _probe(self, tps: np.ndarray) -> tuple:
-        """(threads, budget) of the next probe, in turn: the candidate above the choice (its acceptance shows only in
-        trees at least as large), the runner-up tree (a curve measured under another load can be off by more than
-        the candidates differ), plain decoding (or the best tree) and the choice on the other thread count."""
+    def _probe(self, tps: np.ndarray) -> int:
+        """The budget of the next probe, in turn: the candidate above the choice (its acceptance shows only in trees
+        at least as large), the runner-up tree (a curve measured under another load can be off by more than the
+        candidates differ) and plain decoding (or the best tree)."""
         above = [b for b in self.candidates if b > self.choice]
-        turns = [(self.threads, above[0])] if above and self.choice else []
+        turns = [above[0]] if above and self.choice else []
         rest = tps.copy()
         rest[[0, self.candidates.index(self.choice)]] = np.nan
         runner_up = self.best(rest) if self.choice and not np.all(np.isnan(rest)) else None
         if runner_up is not None and runner_up not in above[:1]:
-            turns.append((self.threads, runner_up))
-        turns.append((self.threads, 0 if self.choice else self.best(tps, drafting_only=True)))
-        turns += [(th, self.choice) for th in self.thread_options if th != self.threads]
+            turns.append(runner_up)
+        turns.append(0 if self.choice else self.best(tps, drafting_only=True))
         return turns[self._probe_turn % len(turns)]
 
 
@@ -202,20 +206,18 @@ class BudgetState:
     def __init__(self, knobs: BudgetKnobs | None = None, clock: Callable[[], float] = time.perf_counter):
         self.knobs, self.clock = knobs, clock
         self.policies: dict[tuple[str, bool], BudgetPolicy] = {}
+        self._lock = threading.Lock()
 
     def policy(self, target, prompt_lookup: bool) -> BudgetPolicy:
         key = cost_key(target)
         name = (str(cost_file(key)), bool(prompt_lookup))
-        if name not in self.policies:
-            curve = load_curve(target)
-            if curve is None:
-                warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {key['device_name']}; the node "
-                              f"budget chooses between plain decoding and a fixed tree. Run `dart-hf calibrate` "
-                              f"once to fit it to this device.", stacklevel=2)
-            cpu = torch.get_num_threads() if target.device.type == "cpu" else 1
-            threads = (cpu, 1) if cpu > 1 and (self.knobs or BudgetKnobs()).try_one_thread else (None,)
-            self.policies[name] = BudgetPolicy(curve, self.knobs, target.device.type, self.clock, threads)
-        return self.policies[name]
+        with self._lock:
+            if name not in self.policies:
+                curve = load_curve(target)
+                if curve is None:
+                    _warn_no_curve(key, target.device.type)
+                self.policies[name] = BudgetPolicy(curve, self.knobs, target.device.type, self.clock)
+            return self.policies[name]
 
     def reset(self) -> None:
         self.policies.clear()
@@ -224,12 +226,46 @@ class BudgetState:
         return len(self.policies)
 
 
+_warned_no_curve = False
+_state_lock = threading.Lock()  # one `head.budget_state` however many calls start at once
+
+
+def _warn_no_curve(key: dict, device_type: str) -> None:
+    """The one-line hint that no verify-cost curve exists, once per process, pointing at the user's own call (the
+    first frame outside dart_hf, transformers, torch and contextlib) and at an action that exists where
+    this code runs (inside a head's `custom_generate/` copy there is no `dart-hf` command)."""
+    global _warned_no_curve
+    if _warned_no_curve:
+        return
+    _warned_no_curve = True
+    fixed = BudgetKnobs.no_curve_budget if device_type == "cpu" else BudgetKnobs.no_curve_budget_gpu
+    action = ("run `dart-hf calibrate` once to fit the tree size to this device"
+              if (__package__ or "").startswith("dart_hf") else
+              "with dart_hf installed, `dart-hf calibrate` fits the tree size to this device")
+    warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {key['device_name']}, so the node budget "
+                  f"chooses between plain decoding and a fixed tree of {fixed} nodes; {action}, or pass "
+                  f"dart_node_budget=<n> for a fixed tree", stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The `warnings.warn` stacklevel (1: `_warn_no_curve`) of the first frame outside this package, transformers,
+    torch and contextlib: the user's own `generate` or pipeline call."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(here) if (__package__ or "").startswith("dart_hf") else here
+    skip = (package, os.path.dirname(transformers.__file__), os.path.dirname(torch.__file__), contextlib.__file__)
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
 def budget_policy(head, target, prompt_lookup: bool | None = None, state: BudgetState | None = None) -> BudgetPolicy:
     """The policy of (target, prompt lookup) in `state` (default: `head.budget_state`, attached on first use)."""
     if state is None:
-        state = getattr(head, "budget_state", None)
-        if state is None:
-            state = head.budget_state = BudgetState()
+        with _state_lock:
+            if head.budget_state is None:
+                head.budget_state = BudgetState()
+            state = head.budget_state
     if not isinstance(state, BudgetState):
         raise TypeError(f"the budget state must be a dart_hf.core.budget.BudgetState, got {type(state).__name__}")
     return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup)

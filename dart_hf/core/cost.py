@@ -21,9 +21,7 @@ import numpy as np
 import torch
 import transformers
 
-from .verify import GROUPED_SDPA
-
-COST_VERSION = 7  # 7: written only by `dart-hf calibrate` / the bench, after its checks passed
+COST_VERSION = 8  # 8: stock kernels (no CPU linears / grouped attention in the measured forward)
 
 
 @dataclass
@@ -74,14 +72,13 @@ def cost_key(target) -> dict:
     names = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
              "head_dim", "intermediate_size", "vocab_size")
     quant = getattr(target.config, "quantization_config", None)
-    attn = target.config._attn_implementation or "eager"  # the verify's grouped SDPA variant is SDPA
     return {
         "name": str(getattr(target.config, "name_or_path", "") or cfg.model_type),
         **{k: getattr(cfg, k, None) for k in names},
         "device": target.device.type,
         "device_name": _device_name(target.device),
         "dtype": str(target.dtype).removeprefix("torch."),
-        "attn_implementation": "sdpa" if attn == GROUPED_SDPA else attn,
+        "attn_implementation": target.config._attn_implementation or "eager",
         "quantization": None if quant is None else str(getattr(quant, "quant_method", quant)),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -11,8 +11,6 @@ and set-up here, then the batched loop of `batch_loop.py`; one unpadded row stay
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.logits_process import (
@@ -24,15 +22,15 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import Accepted, accept_greedy, accept_walk
 from .batch_loop import check_batch_call, decode_batch, is_batch
 from .budget import BudgetPolicy, budget_policy
+from .distributed import check_tensor_parallel_call
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
-from .runtime import dart_runtime
 from .stats import DartStats, PhaseTimer
 from .stopping import first_stop as _first_stop
 from .support import check_tree_target
-from .target import cache_kwargs, check_head_matches_target, prepare_head
+from .target import aux_request, aux_states, cache_kwargs, check_head_matches_target, prepare_head
 from .tree import DraftTree
-from .verify import compact_cache, verify_tree
+from .verify import compact_cache, tree_forward
 
 
 @torch.no_grad()
@@ -68,7 +66,9 @@ def dart_decode(
     _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
     batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
     check_processors(logits_processor, "a batch" if batched else None)
-    head, stats = dart_head, prepare_call(dart_head, model, dart_stats)
+    head, stats = prepare_call(dart_head, model, dart_stats)
+    check_tensor_parallel_call(head, model, mode="tree", batch_size=input_ids.shape[0], node_budget=dart_node_budget,
+                               do_sample=bool(generation_config.do_sample))
     _check_model_inputs(model, input_ids, model_kwargs, generation_config)  # after the head / target checks
     cache = _empty_cache(model, model_kwargs)
     if batched:
@@ -88,36 +88,33 @@ def dart_decode(
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
-    threads = torch.get_num_threads()  # the policy may run steps on fewer CPU threads; restored on exit
-    with dart_runtime(model, head) as runtime, _restore_threads(threads):
-        with timer.phase("prefill"):
-            raw, processed, first = _prefill(model, input_ids, cache, logits_processor, generation_config.do_sample)
-            drafter.advance(runtime.take_aux(), torch.cat([input_ids[:, 1:], first], dim=1))
-        input_ids, n_new, finished = _append(input_ids, first.view(-1), stopping_criteria, processed)
-        stats.new_tokens = n_new
-        output.add(processed, raw, n_new)
+    aux_ids = head.config.aux_layer_ids
+    with timer.phase("prefill"):
+        raw, processed, first, aux = _prefill(model, input_ids, cache, logits_processor, generation_config.do_sample,
+                                              aux_ids)
+        drafter.advance(aux, torch.cat([input_ids[:, 1:], first], dim=1))
+    input_ids, n_new, finished = _append(input_ids, first.view(-1), stopping_criteria, processed)
+    stats.new_tokens = n_new
+    output.add(processed, raw, n_new)
+    _stream(dart_streamer, input_ids, n_new)
+    while not finished:
+        if policy is not None:
+            budget = policy.next_budget()
+            policy.start()
+        past_len, max_new = cache.get_seq_length(), generation_config.max_length - input_ids.shape[1] - 1
+        tree = drafter.propose(input_ids, max_new, timer, budget).to(model.device)
+        with timer.phase("verify"):
+            logits, tree_aux = tree_forward(model, tree, cache, past_len, aux_ids)
+        with timer.phase("accept"):
+            acc = accept(tree, logits, input_ids)
+            compact_cache(cache, past_len, acc.path)
+            drafter.advance(tree_aux[:, acc.path.to(tree_aux.device)], acc.tokens)
+            input_ids, n_new, finished = _append(input_ids, acc.tokens, stopping_criteria, acc.scores)
+        if policy is not None:
+            policy.observe_tree(tree, acc.path, budget)
+        stats.record_step(n_new, budget)
+        output.add(acc.scores, acc.logits, n_new)
         _stream(dart_streamer, input_ids, n_new)
-        while not finished:
-            if policy is not None:
-                budget = policy.next_budget()
-                if policy.threads is not None and policy.threads != torch.get_num_threads():
-                    torch.set_num_threads(policy.threads)
-                policy.start()
-            past_len, max_new = cache.get_seq_length(), generation_config.max_length - input_ids.shape[1] - 1
-            tree = drafter.propose(input_ids, max_new, timer, budget).to(model.device)
-            with timer.phase("verify"):
-                logits = verify_tree(model, tree, cache, past_len)
-                tree_aux = runtime.take_aux()
-            with timer.phase("accept"):
-                acc = accept(tree, logits, input_ids)
-                compact_cache(cache, past_len, acc.path)
-                drafter.advance(tree_aux[:, acc.path.to(tree_aux.device)], acc.tokens)
-                input_ids, n_new, finished = _append(input_ids, acc.tokens, stopping_criteria, acc.scores)
-            if policy is not None:
-                policy.observe_tree(tree, acc.path, budget)
-            stats.record_step(n_new, budget)
-            output.add(acc.scores, acc.logits, n_new)
-            _stream(dart_streamer, input_ids, n_new)
 
     if dart_streamer is not None:
         dart_streamer.end()
@@ -125,30 +122,21 @@ def dart_decode(
     return output.result(input_ids, cache)
 
 
-@contextmanager
-def _restore_threads(threads: int):
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------------------------ set-up
-def prepare_call(head: DartHead, model, stats: DartStats | None) -> DartStats:
+def prepare_call(head: DartHead, model, stats: DartStats | None) -> tuple[DartHead, DartStats]:
     """What every DART `generate` call does once with its head, tree loop and chain mode alike, before drafting:
-    refuse a head built for another target (`check_head_matches_target`), place the head for `model`
-    (`prepare_head`: moved and cast in place on the first call with a target, nothing to do on later calls), and
-    make `stats` (default: a new `DartStats`) the call's, as `head.stats`. Returns the stats; the caller resets them
-    once it knows the mode and node budget."""
+    refuse a head built for another target (`check_head_matches_target`), get the head placed for `model`
+    (`prepare_head`: the head itself, moved in place on its first call, or a placed copy; never moved while another
+    call may draft with it), and make `stats` (default: a new `DartStats`) the call's, as `head.stats`. Returns (the
+    head to draft with, the stats); the caller resets the stats once it knows the mode and node budget."""
     check_head_matches_target(head, model)
-    prepare_head(head, model)
+    placed = prepare_head(head, model)
     if stats is None:
         stats = DartStats()
     elif not isinstance(stats, DartStats):
         raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
     head.stats = stats
-    return stats
+    return placed, stats
 
 
 def _check_call(model, head, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
@@ -273,14 +261,17 @@ def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[
 
 
 # ------------------------------------------------------------------------------------------------ the steps
-def _prefill(model, input_ids, cache, logits_processor, do_sample: bool):
-    """(raw logits, processed scores, first new token [1, 1]) of the prompt, chosen as `generate` chooses it."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+def _prefill(model, input_ids, cache, logits_processor, do_sample: bool, aux_ids: list[int]):
+    """(raw logits, processed scores, first new token [1, 1], the layer inputs the head reads [1, S, 3H]) of the
+    prompt, the token chosen as `generate` chooses it."""
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache),
+                **aux_request(aux_ids))
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
+    aux = aux_states(out, aux_ids)
     if do_sample:
-        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), 1)
-    return raw, processed, processed.argmax(dim=-1, keepdim=True)
+        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), 1), aux
+    return raw, processed, processed.argmax(dim=-1, keepdim=True), aux
 
 
 def _acceptance_rule(generation_config: GenerationConfig, logits_processor: LogitsProcessorList, keep_scores: bool):

@@ -226,6 +226,10 @@ class DartHead(DartPreTrainedModel):
         # the cost-aware budget's statistics across calls (`dart_hf.core.budget.BudgetState`), created on first use
         # by `budget.budget_policy(head, target)`; `generate(..., dart_budget_state=...)` passes another instead
         self.budget_state = None
+        # placement (`dart_hf.core.target.prepare_head`): whether a call has placed the head (it is moved in place only
+        # before its first call), and the copies placed for targets on other devices / dtypes
+        self._dart_placed = False
+        self._placed_copies: dict = {}
         self._bound: TargetModules | None = None  # bind_target's modules, for training and offline use only
         self.post_init()
 

@@ -22,7 +22,6 @@ import torch
 from transformers import DynamicCache
 
 from .tree_batch import TreeBatch
-from .verify import GROUPED_SDPA
 
 
 class RaggedCache:
@@ -60,7 +59,7 @@ class RaggedCache:
             return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=n, KV_LEN=self.length + n,
                                      device=visible.device)
         visible = visible.unsqueeze(1)
-        if attn_implementation in ("sdpa", GROUPED_SDPA):
+        if attn_implementation == "sdpa":
             return visible
         return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
             ~visible, torch.finfo(dtype).min

@@ -8,7 +8,8 @@ garbage from the wrong layers.
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache, partial
+import threading
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -49,43 +50,27 @@ def check_head_matches_target(head, target: PreTrainedModel) -> None:
     decoder_layers(target)
 
 
-class AuxHiddenCapture:
-    """Forward pre-hooks that keep the INPUTS of the target layers `layer_ids` from the latest forward.
+def aux_request(layer_ids: list[int]) -> dict:
+    """The forward keyword that makes a transformers model return the inputs of the decoder layers `layer_ids`.
 
-    Hooks avoid asking the target for all hidden states (memory, and not every model returns them the same
-    way). Use as a context manager so the hooks never outlive the decoding call.
-    """
+    Why ask the forward instead of hooking the layers: transformers records hidden states per call (its collector
+    lives in a ContextVar), so a forward running in another thread at the same time can neither read nor overwrite
+    them, and nothing is installed on the shared target. `hidden_states[i]` is the input of layer i (index 0: the
+    embeddings), and a list of indices keeps only those layers' states (the rest come back as None)."""
+    return {"output_hidden_states": list(layer_ids)}
 
-    def __init__(self, target: PreTrainedModel, layer_ids: list[int]):
-        self._captured: list[torch.Tensor | None] = [None] * len(layer_ids)
-        layers = decoder_layers(target)
-        self._handles = [
-            layers[i].register_forward_pre_hook(partial(self._record, slot), with_kwargs=True)
-            for slot, i in enumerate(layer_ids)
-        ]
 
-    def _record(self, slot: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._captured[slot] = args[0] if args else kwargs["hidden_states"]
-
-    def take(self, device: torch.device | None = None) -> torch.Tensor:
-        """[B, S, 3 * hidden] for the latest forward's S positions (moved to `device`), then forget them."""
-        if any(t is None for t in self._captured):
-            raise RuntimeError("no target forward was captured since the last take()")
-        device = device or self._captured[0].device
-        out = torch.cat([t.to(device) for t in self._captured], dim=-1)
-        self._captured = [None] * len(self._captured)
-        return out
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def __enter__(self) -> "AuxHiddenCapture":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
+def aux_states(outputs, layer_ids: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """[B, S, len(layer_ids) * hidden]: the inputs of the layers `layer_ids` for the S positions of the forward that
+    returned `outputs` (called with `aux_request`), concatenated in `layer_ids` order and moved to `device`."""
+    states = getattr(outputs, "hidden_states", None)
+    if states is None or len(states) <= max(layer_ids) or any(states[i] is None for i in layer_ids):
+        raise RuntimeError(
+            f"the target returned no hidden states for layers {list(layer_ids)}: DART reads them through "
+            "`output_hidden_states`, which this model's forward does not honour"
+        )
+    device = device or states[layer_ids[0]].device
+    return torch.cat([states[i].to(device) for i in layer_ids], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------- placement
@@ -93,7 +78,7 @@ class AuxHiddenCapture:
 # 
 # Why the last decoder layer: with `device_map="auto"` a target is split over devices, and `target.device` only
 # names where its first parameters live. The head's logits feed the tree that the target verifies, and the
-# captured hidden states are moved to the head anyway (`AuxHiddenCapture.take`), so the head belongs where the
+# captured hidden states are moved to the head anyway (`aux_states`), so the head belongs where the
 # target's final states are computed. Why the embedding's dtype: quantised targets (bitsandbytes) keep int8 / 4-bit
 # linear weights, but their embeddings and hidden states stay in the floating dtype the head must match.
 def module_device(module: nn.Module) -> torch.device:
@@ -110,13 +95,33 @@ def head_placement(target: PreTrainedModel) -> tuple[torch.device, torch.dtype]:
     return module_device(decoder_layers(target)[-1]), target.get_input_embeddings().weight.dtype
 
 
-def prepare_head(head: nn.Module, target: PreTrainedModel) -> nn.Module:
-    """Move and cast `head` (in place, as `nn.Module.to` does) for `target`; integer buffers keep their dtype.
+_placement_lock = threading.Lock()
 
-    `generate(assistant_model=head)` calls this on every call: the first call with a target moves the user's head
-    (once), later calls find it in place and change nothing."""
+
+def prepare_head(head: nn.Module, target: PreTrainedModel) -> nn.Module:
+    """The head to draft with for `target`: `head` itself, placed for it, or a placed copy.
+
+    A head's first call moves and casts it in place (as `nn.Module.to` does; integer buffers keep their dtype), so a
+    head that serves one target costs no second copy. After that the head is never moved again, since another thread
+    may be drafting with it: a call for a target on another device or dtype gets a copy placed for that target, made
+    once and kept on the head (`_placed_copies`), so a head never changes under a call that drafts with it. A head on the meta device (loaded without weights) is refused."""
     device, dtype = head_placement(target)
-    weight = next(head.parameters())
-    if weight.device == device and weight.dtype == dtype:
-        return head
-    return head.to(device=device, dtype=dtype)
+    with _placement_lock:
+        weight = next(head.parameters())
+        if weight.device.type == "meta":
+            raise ValueError("the DART head's weights are on the meta device (loaded without weights, e.g. under "
+                             "`init_empty_weights` or with device_map='meta'); load it with from_pretrained first")
+        if weight.device == device and weight.dtype == dtype:
+            head._dart_placed = True
+            return head
+        if not getattr(head, "_dart_placed", False):
+            head._dart_placed = True
+            return head.to(device=device, dtype=dtype)
+        copies = head._placed_copies
+        if (device, dtype) not in copies:
+            copy = type(head)(head.config).to(device=device, dtype=dtype)
+            copy.load_state_dict(head.state_dict())
+            copy.ngram = head.ngram
+            copy.eval()
+            copies[(device, dtype)] = copy
+        return copies[(device, dtype)]

@@ -10,52 +10,15 @@ implementation:
 - "sdpa": a dense boolean [1, 1, N, past + N] mask;
 - "eager" (and anything else that adds the mask to the scores): the same mask as 0 / -inf floats.
 transformers passes a 4D mask or a BlockMask through to the attention layers unchanged.
-
-On CPU, an "sdpa" target verifies through `grouped_sdpa_attention_forward`: transformers' SDPA repeats grouped
-key/value heads once per query head whenever a mask is given, which copies the whole KV cache in every layer at every
-step, while PyTorch's CPU flash kernel takes grouped heads and a mask directly (`enable_gqa`). It is selected by
-`dart_hf.core.runtime.verify_attention` for the whole DART call (registered as "dart_grouped_sdpa" while a call
-runs); this module changes nothing in transformers or in the target.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .target import cache_kwargs
+from .target import aux_request, aux_states, cache_kwargs
 from .tree import DraftTree
-
-GROUPED_SDPA = "dart_grouped_sdpa"
-
-
-def grouped_sdpa_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, except that a masked call on CPU keeps grouped K/V heads grouped."""
-    plain = (
-        attention_mask is None
-        or query.device.type != "cpu"
-        or query.shape[1] == key.shape[1]
-        or value.shape[-1] != query.shape[-1]  # MLA (DeepSeek V2/V3): value heads narrower than query/key heads
-        or any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "sinks", "s_aux"))
-    )
-    if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None
-
 
 def tree_attention_mask(
     tree: DraftTree, past_len: int, attn_implementation: str, dtype: torch.dtype, window: int | None = None
@@ -93,7 +56,7 @@ def tree_attention_mask(
 
         return create_block_mask(tree_mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=kept + n, device=anc.device)
     visible = torch.cat([committed, in_tree], dim=1)[None, None]
-    if attn_implementation in ("sdpa", GROUPED_SDPA):
+    if attn_implementation == "sdpa":
         return visible
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
         ~visible, torch.finfo(dtype).min
@@ -139,10 +102,12 @@ def verify_masks(tree: DraftTree, cache: DynamicCache, past_len: int, config, at
 
 
 @torch.no_grad()
-def verify_tree(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, past_len: int) -> torch.Tensor:
-    """Run the target once over the tree; returns float logits [N, vocab] (node i predicts its next token).
+def tree_forward(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, past_len: int,
+                 aux_layer_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the target once over the tree: (float logits [N, vocab], node i predicting its next token; the inputs of
+    the layers `aux_layer_ids` at every node [1, N, 3 * hidden], which the head reads for the accepted path, or None
+    when no layers are asked for).
 
-    Uses the attention the target has now: inside `dart_runtime` / `verify_runtime` the grouped CPU SDPA.
     Sliding-window layers keep every tree entry until `compact_cache` (their `record_past`), so that the accepted
     path can be moved in place of the dropped nodes."""
     mask = verify_masks(
@@ -157,9 +122,15 @@ def verify_tree(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, p
         position_ids=(tree.depths + past_len).unsqueeze(0),
         use_cache=True,
         **cache_kwargs(target, cache),
+        **(aux_request(aux_layer_ids) if aux_layer_ids else {}),
         logits_to_keep=0,
     )
-    return out.logits[0].float()
+    return out.logits[0].float(), aux_states(out, aux_layer_ids) if aux_layer_ids else None
+
+
+def verify_tree(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, past_len: int) -> torch.Tensor:
+    """The float logits [N, vocab] of one target forward over the tree (what `dart-hf calibrate` times)."""
+    return tree_forward(target, tree, cache, past_len)[0]
 
 
 def compact_cache(cache: DynamicCache, past_len: int, path: torch.Tensor) -> None:
@@ -195,10 +166,11 @@ def compact_cache(cache: DynamicCache, past_len: int, path: torch.Tensor) -> Non
 
 
 @torch.no_grad()
-def verify_batch(target: PreTrainedModel, trees, ragged) -> torch.Tensor:
+def verify_batch(target: PreTrainedModel, trees, ragged, aux_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the target once over every row's tree (`trees`: a `TreeBatch`, `ragged`: the batch's `RaggedCache`);
-    returns float logits [rows, N, vocab]. Full-attention layers only (a batch over sliding-window layers is refused
-    before any work: their cache keeps only a window of slots, which holes would shift)."""
+    returns (float logits [rows, N, vocab], the inputs of the layers `aux_layer_ids` [rows, N, 3 * hidden]).
+    Full-attention layers only (a batch over sliding-window layers is refused before any work: their cache keeps only
+    a window of slots, which holes would shift)."""
     impl = target.config._attn_implementation or "eager"
     out = target(
         input_ids=trees.tokens,
@@ -206,6 +178,7 @@ def verify_batch(target: PreTrainedModel, trees, ragged) -> torch.Tensor:
         position_ids=ragged.positions(trees),
         use_cache=True,
         **cache_kwargs(target, ragged.cache),
+        **aux_request(aux_layer_ids),
         logits_to_keep=0,
     )
-    return out.logits.float()
+    return out.logits.float(), aux_states(out, aux_layer_ids)

@@ -7,8 +7,13 @@
   prepares the GenerationConfig, processors, stopping criteria and cache. `streamer` is passed as `dart_streamer`
   because transformers does not forward it to custom callables, and stop strings become a `StopStringCriteria`
   here because transformers drops `tokenizer` for custom callables. `dart_mode="chain"` instead runs transformers'
-  own assisted-decoding loop with the head as a chain drafter, inside one `dart_runtime` that is undone when
-  `generate` returns. Any other call goes to the original `generate` untouched.
+  own assisted-decoding loop with the head as a chain drafter. `assistant_model` may also name a head's folder or
+  Hub id (loaded once per process). Any other call goes to the original `generate` untouched.
+
+Nothing else is patched, registered or changed, at import or during a call: the target's layer inputs come back from
+its own forward (`output_hidden_states` with the layer indices, which transformers collects per call), the tree mask
+goes in as the forward's `attention_mask`, and every piece of per-call state lives in the call (tests/
+test_concurrency.py runs DART and plain calls side by side on one target).
 - `_get_candidate_generator`: returns a `DartCandidateGenerator` when the assistant is a `DartHead` (chain mode),
   and defers to the original otherwise.
 - `transformers.pipelines.base.load_assistant_model`: accepts a `DartHead` (it shares the target's tokenizer by
@@ -31,13 +36,13 @@ from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..core.distributed import check_tensor_parallel_call
 from ..core.drafter import DartDrafter, default_node_budget, draft_depth
 from ..core.loop import check_processors, dart_decode, prepare_call
 from ..core.modeling import DartHead
-from ..core.runtime import DartRuntime, dart_runtime
 from ..core.stats import DartStats, PhaseTimer
 from ..core.support import check_chain_target, check_tree_target
-from ..core.target import check_head_matches_target
+from ..core.target import aux_request, aux_states, check_head_matches_target
 
 MODES = ("tree", "chain")
 
@@ -46,7 +51,7 @@ MODES = ("tree", "chain")
 class _ChainCall:
     """What the chain-mode `generate` call set up for the candidate generator transformers builds inside it."""
 
-    runtime: DartRuntime
+    head: DartHead  # placed for the target (`prepare_call`)
     stats: DartStats
     node_budget: int
 
@@ -62,11 +67,12 @@ class DartCandidateGenerator(CandidateGenerator):
     target forward, `update_candidate_strategy` hands the verified positions' states to the drafter.
     """
 
-    requires_model_outputs = True
-    model_kwargs_overrides: dict = {}
+    requires_model_outputs = True  # transformers hands `get_candidates` the latest target forward's outputs
 
     def __init__(self, head: DartHead, target, generation_config, call: _ChainCall):
-        self.runtime, self.stats, self.node_budget = call.runtime, call.stats, call.node_budget
+        self.stats, self.node_budget = call.stats, call.node_budget
+        self.aux_ids = head.config.aux_layer_ids
+        self.model_kwargs_overrides = aux_request(self.aux_ids)  # the target returns the layer inputs the head reads
         self.max_length = generation_config.max_length
         self.drafter = DartDrafter(head, target, max_length=self.max_length, node_budget=call.node_budget,
                                    prompt_lookup=head.config.prompt_lookup,
@@ -80,9 +86,14 @@ class DartCandidateGenerator(CandidateGenerator):
         """The most tokens one call proposes (transformers >= 5.25 sizes the cache's rollback history by it)."""
         return draft_depth(self.drafter.params, self.max_length, self.drafter.head.config.num_predictions)
 
-    def get_candidates(self, input_ids: torch.LongTensor, is_first_iteration: bool = False, **kwargs):
+    def get_candidates(self, input_ids: torch.LongTensor, is_first_iteration: bool = False, model_outputs=None,
+                       **kwargs):
+        if not is_first_iteration:  # first: the target's prefill produces the states we read
+            rows = input_ids.shape[1] - 1 - self.seen  # the positions the latest forward verified
+            self.drafter.advance(aux_states(model_outputs, self.aux_ids)[:, :rows], input_ids[:, self.seen + 1 :])
+            self.seen += rows
         max_new = self.max_length - input_ids.shape[1] - 1
-        if not is_first_iteration and max_new > 0:  # first: the target's prefill produces the states we read
+        if not is_first_iteration and max_new > 0:
             tree = self.drafter.propose(input_ids, max_new, self.timer)
             chain = tree.tokens[tree.best_chain()[1:]].to(input_ids.device)
             input_ids = torch.cat([input_ids, chain.unsqueeze(0)], dim=1)
@@ -92,9 +103,6 @@ class DartCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         first = self.seen == 0
         self.timer.add("prefill" if first else "verify", time.perf_counter() - self._proposed_at)
-        rows = input_ids.shape[1] - 1 - self.seen
-        self.drafter.advance(self.runtime.take_aux()[:, :rows], input_ids[:, self.seen + 1 :])
-        self.seen += rows
         if first:
             self.stats.new_tokens = 1
         else:
@@ -127,19 +135,21 @@ def _stop_strings_as_criteria(model, kwargs: dict) -> None:
 
 
 def _chain_generate(model, head: DartHead, args, kwargs):
-    """transformers' assisted decoding with the head as chain drafter, inside one runtime for the whole call.
+    """transformers' assisted decoding with the head as chain drafter.
 
     `prepare_call` (the tree loop's, run before transformers sees the head: its own assistant checks would otherwise
     fail first with misleading advice, e.g. "different tokenizers" for a vocab mismatch) checks and places the head."""
-    stats = prepare_call(head, model, kwargs.pop("dart_stats", None))
+    placed, stats = prepare_call(head, model, kwargs.pop("dart_stats", None))
+    config = kwargs.get("generation_config") or model.generation_config
+    check_tensor_parallel_call(placed, model, mode="chain", batch_size=1,
+                               do_sample=bool(kwargs.get("do_sample", config.do_sample)))
     budget = default_node_budget(head, model)
     stats.reset(mode="chain", budget_mode="auto" if head.config.node_budget is None else "fixed", node_budget=budget)
-    with dart_runtime(model, head) as runtime:
-        token = _CHAIN_CALL.set(_ChainCall(runtime, stats, budget))
-        try:
-            return _original_generate(model, *args, assistant_model=head, **kwargs)
-        finally:
-            _CHAIN_CALL.reset(token)
+    token = _CHAIN_CALL.set(_ChainCall(placed, stats, budget))
+    try:
+        return _original_generate(model, *args, assistant_model=head, **kwargs)
+    finally:
+        _CHAIN_CALL.reset(token)
 
 
 def _check_chain_inputs(args: tuple, kwargs: dict) -> None:
@@ -153,6 +163,10 @@ def _check_chain_inputs(args: tuple, kwargs: dict) -> None:
         )
     if kwargs.get("inputs_embeds") is not None and (not isinstance(ids, torch.Tensor) or ids.numel() == 0):
         raise ValueError('DART dart_mode="chain" needs input_ids (the head drafts from them) beside inputs_embeds')
+    config = kwargs.get("generation_config")
+    if kwargs.get("output_hidden_states") or getattr(config, "output_hidden_states", False):
+        raise ValueError('DART dart_mode="chain" asks the target for the hidden states its head reads, so it cannot '
+                         "also return per-token hidden states (output_hidden_states)")
 
 
 def _check_chain_stops(model, kwargs: dict) -> None:
@@ -171,6 +185,8 @@ def _check_chain_stops(model, kwargs: dict) -> None:
 
 @functools.wraps(_original_generate)
 def _generate(self, *args, assistant_model=None, **kwargs):
+    if isinstance(assistant_model, (str, os.PathLike)) and _names_a_head(os.fspath(assistant_model)):
+        assistant_model = _head_named(os.fspath(assistant_model))
     if not isinstance(assistant_model, DartHead):
         return _original_generate(self, *args, assistant_model=assistant_model, **kwargs)
     mode = kwargs.pop("dart_mode", "tree")
@@ -201,7 +217,7 @@ def _get_candidate_generator(self, generation_config, *args, assistant_model=Non
     if call is None:
         raise RuntimeError("DART chain mode runs through target.generate(..., assistant_model=head, dart_mode='chain')")
     check_processors(kwargs.get("logits_processor"), 'dart_mode="chain" (transformers\' assisted decoding)')
-    return DartCandidateGenerator(assistant_model, self, generation_config, call)
+    return DartCandidateGenerator(call.head, self, generation_config, call)
 
 
 def _names_a_head(name: str) -> bool:
@@ -214,10 +230,16 @@ def _names_a_head(name: str) -> bool:
     return config.get("model_type") == DartHead.config_class.model_type
 
 
+@functools.lru_cache(maxsize=8)
+def _head_named(name: str) -> DartHead:
+    """The head in folder / Hub repo `name`, loaded once per process (as AutoModel would load it)."""
+    return DartHead.from_pretrained(name).eval()
+
+
 @functools.wraps(_original_load_assistant_model)
 def _load_assistant_model(model, assistant_model, assistant_tokenizer):
-    if isinstance(assistant_model, (str, os.PathLike)) and _names_a_head(str(assistant_model)):
-        assistant_model = DartHead.from_pretrained(assistant_model).eval()  # as AutoModel would load it
+    if isinstance(assistant_model, (str, os.PathLike)) and _names_a_head(os.fspath(assistant_model)):
+        assistant_model = _head_named(os.fspath(assistant_model))
     if isinstance(assistant_model, DartHead):
         check_head_matches_target(assistant_model, model)
         return assistant_model, None  # the head drafts in the target's own vocabulary

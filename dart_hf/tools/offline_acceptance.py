@@ -29,7 +29,7 @@ from ..core.modeling import DartHead, TargetModules
 from ..core.acceptance import greedy_path
 from ..core.drafter import draft_depth
 from ..core.prompt_lookup import lookup_for_tree
-from ..core.target import AuxHiddenCapture
+from ..core.target import aux_request, aux_states
 from ..core.tree import TreeSearchParams, build_tree
 
 KEEP = 64
@@ -91,9 +91,8 @@ def draft_rows(target: PreTrainedModel, head: DartHead, texts: list[Text], desc:
     out = []
     for text in tqdm(texts, desc=desc, unit="text"):
         seq, p = text.ids.to(target.device).unsqueeze(0), text.prompt_length
-        with AuxHiddenCapture(target, head.config.aux_layer_ids) as capture:
-            target(seq)
-            aux = capture.take().to(head_device)
+        layer_ids = head.config.aux_layer_ids
+        aux = aux_states(target(seq, **aux_request(layer_ids)), layer_ids, head_device)
         seq = seq.to(head_device)
         cache = head.new_cache(capacity=seq.shape[1] + head.config.num_predictions)
         rows = [head.draft(aux[:, :p], seq[:, 1 : p + 1], cache, target_modules=modules)]  # root: position p

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 
-from ..core.target import AuxHiddenCapture
+from ..core.target import aux_request, aux_states
 from .corpus import Sequence
 
 IGNORE = -100
@@ -42,10 +42,8 @@ def target_features(target: PreTrainedModel, layer_ids: list[int], ids: torch.Te
     token is never fed (nothing after it to predict)."""
     inputs = ids[:, :-1]
     mask = (torch.arange(inputs.shape[1], device=ids.device) < (lengths - 1).unsqueeze(1)).long()
-    with AuxHiddenCapture(target, layer_ids) as capture:
-        final = target.get_decoder()(input_ids=inputs, attention_mask=mask, use_cache=False).last_hidden_state
-        aux = capture.take()
-    return aux, final
+    out = target.get_decoder()(input_ids=inputs, attention_mask=mask, use_cache=False, **aux_request(layer_ids))
+    return aux_states(out, layer_ids), out.last_hidden_state
 
 
 class FeatureCache:
