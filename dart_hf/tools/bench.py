@@ -3,16 +3,13 @@
 On the same prompts (HumanEval and held-out ShareGPT), greedy, after a warm-up generation per method:
 
     plain           target.generate(ids)                                   the reference every output must equal
-    plain_cpu_linears   plain generate inside dart_hf's few-row CPU linears (`core.cpu_linear`): the same matrix
-                    kernels DART's forwards run, so the speed-up over it is what drafting buys, not the kernel
-                    (CPU fp32 targets only: elsewhere it would be plain generate again)
     prompt_lookup   target.generate(ids, prompt_lookup_num_tokens=10)
     dart_chain      target.generate(ids, assistant_model=head, dart_mode="chain")   (transformers' assisted loop)
     dart_tree_60    target.generate(ids, assistant_model=head, dart_node_budget=60)  (reference fixed budget)
     dart_tree_auto  target.generate(ids, assistant_model=head, dart_node_budget="auto") (cost-aware budget)
     dart_tree_auto_no_lookup   the same without prompt-lookup candidates in the tree (what the head alone gives)
 
-Reported per data set and method: tokens/s, speedup over plain (and over plain_cpu_linears), accepted length (new
+Reported per data set and method: tokens/s, speedup over plain, accepted length (new
 tokens per target forward, counted with a forward hook on the target; plain = 1), whether every output equals plain
 generate, and for the tree methods where a step's time goes (head forward, tree search, target verify, accept +
 cache bookkeeping).
@@ -25,11 +22,18 @@ fails its checks). Writes results.json, results.md and results.png; the exit sta
 
 `--batch-size B [B ...]` (any B > 1) runs the batched bench instead: for each B the prompts of each data set go in
 left-padded batches of B (each data set gets at least max(B) prompts, the same ones for every B), and plain batched
-`generate`, the kernel-matched plain row and the DART tree methods run batch by batch, the batch sizes taking turns;
+`generate` and the DART tree methods run batch by batch, the batch sizes taking turns;
 every row is compared with plain's. Prompt lookup and chain mode decode one row at a time in transformers, so they
 run at B = 1 only (the report says so). Reported per data set and B: tokens/s (each row's new tokens up to its first
 EOS, over the wall time of the batch's calls), the ratio to plain at the same B, and the DART methods' tree sizes
 per row (`results["batches"]`, results.md, and results.png: tokens/s against B, a panel per data set).
+
+Under `torchrun` (`python -m torch.distributed.run --nproc-per-node N -m dart_hf_cli bench ...`, or `torchrun
+$(which dart-hf) bench ...`) the target is loaded tensor-parallel (`tp_plan="auto"`: gloo on CPU, nccl on GPUs),
+every rank runs the same calls in lockstep and only rank 0 prints and writes the reports (its wall times: each step
+waits for every rank). The cost-aware methods are left out there (a tensor-parallel target needs a fixed node budget,
+`docs/TENSOR_PARALLEL.md`), a cost-aware head gets the first `--budget` for chain mode, and no verify-cost curve is
+measured.
 
 `--synthetic` instead measures, on a CUDA GPU, a random target of Qwen3-8B's shape in bf16: the verify cost by tree
 size and the head + tree-search overhead as a share of a DART step (`examples/gpu_check.sh` runs it).
@@ -54,14 +58,13 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..core.cpu_linear import eligible_linears, few_row_linears
+from ..core.distributed import tensor_parallel_group
 from .assets import shipped_head
 
 DATASETS = ("humaneval", "sharegpt")
 PHASES = ("draft", "tree", "verify", "accept")
 PHASE_LABELS = {"draft": "head forward", "tree": "tree search", "verify": "target verify", "accept": "accept + cache"}
 MISMATCH_EXIT = 3
-MATCHED = "plain_cpu_linears"  # plain generate with DART's CPU matrix kernels: the kernel-matched reference
 
 
 # ---------------------------------------------------------------------------------------------------- methods
@@ -74,7 +77,6 @@ class Method:
     label: str
     run: Callable
     tree: bool = False
-    cpu_linears_only: bool = False  # run only where `few_row_linears` changes something (fp32 linears on CPU)
     one_row_only: str | None = None  # why the method cannot decode a batch (None: it can); skipped at batch size > 1
 
 
@@ -82,7 +84,6 @@ def standard_methods(fixed_budget: int | list[int] = 60, lookup_tokens: int = 10
     fixed = [fixed_budget] if isinstance(fixed_budget, int) else list(fixed_budget)
     return [
         Method("plain", "generate", lambda t, h, ids, **kw: t.generate(ids, **kw)),
-        Method(MATCHED, "generate, dart_hf's CPU linears", _plain_with_cpu_linears, cpu_linears_only=True),
         Method("prompt_lookup", f"prompt lookup ({lookup_tokens})",
                lambda t, h, ids, **kw: t.generate(ids, prompt_lookup_num_tokens=lookup_tokens, **kw),
                one_row_only="transformers' prompt lookup decodes one row at a time"),
@@ -101,11 +102,6 @@ def standard_methods(fixed_budget: int | list[int] = 60, lookup_tokens: int = 10
 def _fixed_tree(budget: int) -> Method:
     return Method(f"dart_tree_{budget}", f"DART tree, budget {budget}",
                   lambda t, h, ids, **kw: t.generate(ids, assistant_model=h, dart_node_budget=budget, **kw), tree=True)
-
-
-def _plain_with_cpu_linears(target, head, ids, **kwargs):
-    with few_row_linears(target):
-        return target.generate(ids, **kwargs)
 
 
 class ForwardCounter:
@@ -189,6 +185,9 @@ def run_bench(
     `batch_sizes`: None or [1] for the single-row bench; otherwise the batched bench (`_batch_pass`): for each batch
     size B the prompts go in left-padded batches of B, and the results are per data set and batch size
     (`results["batches"]`).
+    A tensor-parallel target (every rank calls this with the same arguments): the cost-aware methods are left out
+    (`results["meta"]["left_out"]`), and only rank 0 shows progress, runs the competing load and writes `out_dir`;
+    every rank returns its own results (rank 0's are the ones to report).
     """
     batched = batch_sizes is not None and list(batch_sizes) != [1]
     if batched and (not batch_sizes or min(batch_sizes) < 1):
@@ -196,15 +195,20 @@ def run_bench(
     methods = methods if methods is not None else standard_methods()
     if not methods or methods[0].name != "plain":
         raise ValueError("the first bench method must be 'plain' (the reference outputs are compared with)")
-    if not eligible_linears(target):
-        methods = [m for m in methods if not m.cpu_linears_only]
+    ranks = tensor_parallel_ranks(target)
+    if ranks is not None:  # a tensor-parallel target refuses the cost-aware budget (`core.distributed`)
+        left_out = {m.name: "a tensor-parallel target needs a fixed node budget" for m in methods if _cost_aware(m)}
+        methods = [m for m in methods if m.name not in left_out]
+        meta = {**(meta or {}), "tensor_parallel": ranks[1], "left_out": left_out}
+        if ranks[0] != 0:  # rank 0 reports; the others run the same calls in lockstep
+            progress, out_dir, load = False, None, 0
     device = target.device
     gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
     if getattr(target.generation_config, "pad_token_id", None) is None:
         eos = target.generation_config.eos_token_id
         gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
     curve = None
-    if any(m.name.endswith("_auto") or m.name.endswith("_auto_no_lookup") for m in methods):
+    if any(_cost_aware(m) for m in methods):
         from .calibrate import calibrate  # the cost-aware budget reads the curve; measure it outside timing
 
         curve, _ = calibrate(target, verbose=progress)
@@ -234,6 +238,20 @@ def run_bench(
     if out_dir is not None:
         write_reports(results, out_dir)
     return results
+
+
+def _cost_aware(m: Method) -> bool:
+    return m.name.endswith("_auto") or m.name.endswith("_auto_no_lookup")
+
+
+def tensor_parallel_ranks(target) -> tuple[int, int] | None:
+    """(this rank, ranks) of a tensor-parallel target's group, None for a target in one process."""
+    group = tensor_parallel_group(target)
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class _no_load:
@@ -455,7 +473,6 @@ def _summarise(runs: list[dict[str, _Tally]], methods: list[Method]) -> dict:
 
     tallies = {m.name: merged(m.name) for m in methods}
     plain_tps = tokens_per_s(tallies["plain"])
-    matched_tps = tokens_per_s(tallies[MATCHED]) if MATCHED in tallies else None
     out = {}
     for m in methods:
         t = tallies[m.name]
@@ -475,8 +492,6 @@ def _summarise(runs: list[dict[str, _Tally]], methods: list[Method]) -> dict:
             "mismatched_prompts": t.mismatches,
             "per_prompt": t.per_prompt,
         }
-        if matched_tps:
-            row["speedup_vs_matched"] = tps / matched_tps
         if m.tree and t.steps:
             step_total = sum(t.phases.values())
             row["steps"] = t.steps
@@ -538,6 +553,11 @@ def _report_head(results: dict) -> list[str]:
                   "runs in parentheses); tokens/s is over all runs.", ""]
     if meta.get("competing_load"):
         lines += [f"Under a competing load of {meta['competing_load']} busy-loop process(es) for the whole bench.", ""]
+    if meta.get("tensor_parallel"):
+        lines += [f"Tensor-parallel target over {meta['tensor_parallel']} ranks (torchrun); rank 0's wall times."
+                  + "".join(f" {name} left out: {why}." for name, why in meta.get("left_out", {}).items())
+                  + (f" Chain mode at node budget {meta['chain_node_budget']} (the head's is cost-aware)."
+                     if "chain_node_budget" in meta else ""), ""]
     return lines
 
 
@@ -546,16 +566,12 @@ def markdown_report(results: dict) -> str:
         return batch_markdown_report(results)
     lines = _report_head(results)
     for ds, rows in results["datasets"].items():
-        matched = MATCHED in rows
-        lines += [f"## {ds}", "", "| method | tokens/s | speedup | "
-                  + ("speedup over generate with the same CPU linears | " if matched else "")
-                  + "accepted length | equal to generate |", "|---|---:|---:|" + ("---:|" if matched else "")
-                  + "---:|---|"]
+        lines += [f"## {ds}", "", "| method | tokens/s | speedup | accepted length | equal to generate |",
+                  "|---|---:|---:|---:|---|"]
         for name, r in rows.items():
             equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} prompts)**"
-            vs_matched = f"{_fmt(r.get('speedup_vs_matched'))}x | " if matched else ""
             lines.append(f"| {results['methods'][name]} | {_fmt(r['tokens_per_s'], '.1f')} | "
-                         f"{_speedup_text(r)} | {vs_matched}{_fmt(r['accepted_length'])} | {equal} |")
+                         f"{_speedup_text(r)} | {_fmt(r['accepted_length'])} | {equal} |")
         tree_rows = {n: r for n, r in rows.items() if "phase_share" in r}
         if tree_rows:
             lines += ["", "Where a DART tree step's time goes (share of the average step; prefill excluded):", "",
@@ -865,12 +881,19 @@ def main(args: argparse.Namespace) -> int:
     from .demo import load_target_and_head
 
     hf_logging.set_verbosity_error()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun: a tensor-parallel target
     try:
-        target, tokenizer, head = load_target_and_head(args.target, args.head, getattr(torch, args.dtype),
-                                                       attn_implementation=args.attn)
+        if distributed:
+            target, tokenizer, head = load_tensor_parallel(args.target, args.head, getattr(torch, args.dtype),
+                                                           attn_implementation=args.attn)
+        else:
+            target, tokenizer, head = load_target_and_head(args.target, args.head, getattr(torch, args.dtype),
+                                                           attn_implementation=args.attn)
     except (OSError, ValueError) as err:  # unknown target, missing or broken head folder, head for another model
         print(f"dart-hf bench: error: {err}", file=sys.stderr)
         return 2
+    ranks = tensor_parallel_ranks(target)
+    report = ranks is None or ranks[0] == 0
     head_path = args.head if args.head is not None else str(shipped_head())
     batch_sizes = getattr(args, "batch_size", None) or [1]
     if min(batch_sizes) < 1:
@@ -883,13 +906,41 @@ def main(args: argparse.Namespace) -> int:
     if args.runs < 1 or (args.load is not None and args.load < 0):
         print("dart-hf bench: error: --runs must be >= 1 and --load >= 0", file=sys.stderr)
         return 2
+    meta = {"head": head_path, "target_name": args.target}
+    if ranks is not None and head.config.node_budget is None:  # chain mode reads the head's budget: a fixed one
+        head.config.node_budget = args.budget[0]
+        meta["chain_node_budget"] = args.budget[0]
     results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
-                        out_dir=args.out, warmup=not args.no_warmup,
-                        meta={"head": head_path, "target_name": args.target}, runs=args.runs,
+                        out_dir=args.out, warmup=not args.no_warmup, meta=meta, runs=args.runs,
                         load=args.load or 0, batch_sizes=None if batch_sizes == [1] else batch_sizes)
+    if not report:
+        return 0 if results["all_equal"] else MISMATCH_EXIT
     print(markdown_report(results))
     print(f"\nwrote {Path(args.out) / 'results.json'}, results.md, results.png")
     return exit_status(results)
+
+
+def load_tensor_parallel(target_name: str, head_path, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """(target, tokenizer, head placed for it) on this rank of a `torchrun` launch: the target loaded
+    tensor-parallel over every rank (`distributed_config=DistributedConfig(tp_plan="auto")`, the same as
+    `tp_plan="auto"`; gloo on CPU, nccl on CUDA), the head from its folder on every rank (the same weights
+    everywhere, checked on every call). Starts the process group when the launcher has not."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+
+    from ..core.modeling import DartHead
+    from ..core.target import check_head_matches_target, prepare_head
+    from .assets import target_folder
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    head = DartHead.from_pretrained(head_path if head_path is not None else shipped_head()).eval()
+    folder = target_folder(target_name)  # a known target is converted once (a file lock: one rank converts)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                  distributed_config=DistributedConfig(tp_plan="auto")).eval()
+    check_head_matches_target(head, target)
+    return target, tokenizer, prepare_head(head, target)
 
 
 def exit_status(results: dict) -> int:
@@ -903,6 +954,6 @@ def exit_status(results: dict) -> int:
 
 
 __all__ = [
-    "Method", "exit_status", "left_pad", "main", "markdown_report", "new_token_counts", "run_bench", "run_synthetic",
-    "standard_methods",
+    "Method", "exit_status", "left_pad", "load_tensor_parallel", "main", "markdown_report", "new_token_counts",
+    "run_bench", "run_synthetic", "standard_methods", "tensor_parallel_ranks",
 ]
