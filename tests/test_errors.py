@@ -138,13 +138,32 @@ def test_prefilled_cache(llama, llama_head, kwarg):
         run(llama, llama_head, ids, **{kwarg: cache})
 
 
-def test_context_overflow_names_both_numbers(llama, llama_head):
+@pytest.mark.parametrize("mode", ["tree", "chain", "batch"])
+def test_max_new_tokens_past_the_context_decodes_like_plain_generate(llama, llama_head, mode):
+    """No refusal up front (plain `generate` has none): a huge max_new_tokens stops at an early EOS, and a max_length
+    past the target's context runs on past it as plain `generate` does, the trees shrinking to the room left and the
+    last tokens decoded plainly."""
     limit = TINY["max_position_embeddings"]
-    with pytest.raises(ValueError, match=rf"max_length {limit + 1}\b.*{limit} positions"):
-        run(llama, llama_head, max_new_tokens=None, max_length=limit + 1)
-    ids = torch.randint(3, TINY["vocab_size"], (1, limit - 5), generator=torch.Generator().manual_seed(0))
-    out = run(llama, llama_head, ids, max_new_tokens=None, max_length=limit)  # exactly at the limit
-    assert out.shape[1] == limit and torch.equal(out, llama.generate(ids, do_sample=False, max_length=limit))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, TINY["vocab_size"], (1, 12), generator=g)
+    kwargs = dict(do_sample=False, dart_mode="chain" if mode == "chain" else "tree")
+    if mode == "batch":
+        ids = torch.cat([ids, torch.randint(3, TINY["vocab_size"], (1, 12), generator=g)])
+        kwargs["attention_mask"] = torch.ones_like(ids)
+    plain = llama.generate(ids, do_sample=False, max_new_tokens=12, attention_mask=kwargs.get("attention_mask"))
+    eos = int(plain[0, -4])  # a token plain decoding emits early: the EOS of this call
+    want = llama.generate(ids, do_sample=False, max_new_tokens=100_000, eos_token_id=eos, pad_token_id=2,
+                          attention_mask=kwargs.get("attention_mask"))
+    got = llama.generate(ids, assistant_model=llama_head, max_new_tokens=100_000, eos_token_id=eos, pad_token_id=2,
+                         **kwargs)
+    assert torch.equal(got, want) and got.shape[1] < ids.shape[1] + 12
+    long = torch.randint(3, TINY["vocab_size"], (ids.shape[0], limit - 10), generator=g)
+    kwargs.pop("attention_mask", None)
+    mask = torch.ones_like(long) if mode == "batch" else None
+    want = llama.generate(long, attention_mask=mask, do_sample=False, max_new_tokens=30, eos_token_id=None)
+    got = llama.generate(long, attention_mask=mask, assistant_model=llama_head, max_new_tokens=30, eos_token_id=None,
+                         **kwargs)
+    assert want.shape[1] == limit + 20 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("where", ["right", "middle"])

@@ -50,12 +50,15 @@ class DartDrafter:
         eos_token_ids: torch.Tensor | None,
         ngram: NGramModel | None = None,
     ):
-        """ngram: the head's n-gram already on the head's device (the rows of a batch share one copy); default: the
-        head's, moved there."""
+        """max_length: the call's; drafts never reach past it nor past the target's context (positions past
+        `max_position_embeddings` are decoded plainly, as plain `generate` decodes them). ngram: the head's n-gram
+        already on the head's device (the rows of a batch share one copy); default: the head's, moved there."""
         self.head = head
         self.device = head.device
         self.modules = TargetModules.of(target)
-        self.cache = head.new_cache(capacity=max_length + head.config.num_predictions)
+        context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+        self.limit = min(max_length, context) if context else max_length  # no draft token at or past this length
+        self.cache = head.new_cache(capacity=min(self.limit, 4096) + head.config.num_predictions)  # grows by doubling
         self.params = TreeSearchParams.from_config(head.config, node_budget=node_budget)
         if ngram is None and head.ngram is not None:
             ngram = head.ngram.to(self.device)
@@ -65,10 +68,13 @@ class DartDrafter:
         self.eos = eos_token_ids.to(self.device).view(-1) if eos_token_ids is not None else None
         self._aux: torch.Tensor | None = None  # [1, r, 3H]: verified positions the head has not consumed
         self._tokens: torch.Tensor | None = None  # [1, r]: the token that follows each of them
+        self.exhausted = False  # the text reached `limit`: no more drafts, and no states kept for them
 
     def advance(self, aux: torch.Tensor, tokens: torch.Tensor) -> None:
         """Record r newly verified positions: their target states `aux` [1, r, 3H] and the token after each
         `tokens` [1, r] (for the last one: the target's own new token, the next tree's root)."""
+        if self.exhausted:
+            return
         aux, tokens = aux.to(self.device), tokens.to(self.device).view(1, -1)
         if self._aux is not None:  # a step that proposed nothing (chain mode at the length limit)
             aux, tokens = torch.cat([self._aux, aux], dim=1), torch.cat([self._tokens, tokens], dim=1)
@@ -82,7 +88,10 @@ class DartDrafter:
         forward, no search (the target's states wait for the next tree)."""
         if node_budget is not None and node_budget != self.params.node_budget:
             self.params = replace(self.params, node_budget=int(node_budget))
-        if self.params.node_budget == 0:
+        max_new = min(max_new, self.limit - input_ids.shape[1] - 1)
+        if max_new <= 0:  # no room left below max_length / the context: the remaining steps are plain decoding
+            self.exhausted, self._aux, self._tokens = True, None, None
+        if self.params.node_budget == 0 or self.exhausted:
             return root_tree(input_ids[0, -1], self.device)
         if self._aux is None:
             raise RuntimeError("propose() before advance(): the head has no target states to draft from")

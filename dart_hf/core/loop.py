@@ -154,12 +154,6 @@ def _check_call(model, head, input_ids: torch.Tensor, generation_config: Generat
             f"DART decoding needs a DynamicCache (tree entries are compacted in place); "
             f"cache_implementation={generation_config.cache_implementation!r} is not supported"
         )
-    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if max_pos is not None and generation_config.max_length > max_pos:
-        raise ValueError(
-            f"max_length {generation_config.max_length} (prompt {input_ids.shape[1]} + new tokens) exceeds the "
-            f"target's context of {max_pos} positions"
-        )
     check_tree_target(model)
 
 
