@@ -25,6 +25,7 @@ from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTr
                           Qwen3Config)
 
 import dart_hf
+from dart_hf.core.ragged import RaggedCache, decode_cache
 from dart_hf.core.target import cache_kwargs
 
 if WORKER_THREADS:
@@ -57,10 +58,18 @@ def make_target(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **overri
 
 @torch.no_grad()
 def prefilled(target, prefix: torch.Tensor) -> DynamicCache:
-    """A cache holding `prefix`, from one target forward (the state a verify step starts from)."""
-    cache = DynamicCache(config=target.config)
+    """A cache holding `prefix`, from one target forward (the state a verify step starts from: every layer full,
+    as a DART call keeps it, `ragged.decode_cache`)."""
+    cache = decode_cache(target.config)
     target(input_ids=prefix, use_cache=True, **cache_kwargs(target, cache))
     return cache
+
+
+def compact_cache(target, cache: DynamicCache, past_len: int, path: torch.Tensor) -> None:
+    """Keep the accepted `path` (tree node indices, root first) of the tree verified after `past_len` committed
+    tokens, as a DART step commits it (`RaggedCache.commit` on one row)."""
+    valid = torch.ones(1, past_len, dtype=torch.bool)
+    RaggedCache(cache, valid, target.config).commit(path.view(1, -1), torch.tensor([path.numel()]))
 
 
 def make_head(target, seed: int = 1, draft_length: int = 4, **overrides) -> dart_hf.DartHead:

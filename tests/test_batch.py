@@ -9,8 +9,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import dart_hf
-from conftest import make_head, make_target, prompts
-from dart_hf.core import batch_loop, ragged
+from conftest import SLIDING, make_head, make_target, prompts, sliding_target
+from dart_hf.core.drafter import DartDrafter
+from test_sliding_window import chain_tree
+from dart_hf.core import loop, ragged
 
 PAD = 2
 
@@ -146,7 +148,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
     cache = DynamicCache(config=target.config)
     target(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
            **cache_kwargs(target, cache))
-    state = ragged.RaggedCache(cache, mask.bool())
+    state = ragged.RaggedCache(cache, mask.bool(), target.config)
     texts = [r[0] for r in rows]
     for step in range(2):
         trees = TreeBatch.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
@@ -331,7 +333,7 @@ def test_sampling_distribution_per_row(monkeypatch):
     counts = second_token_counts(target, head, ids, mask, 400)
     for r in range(2):
         assert chi2(counts[r], exact[r]) < CHI2_999[7], f"row {r}"
-    monkeypatch.setattr(batch_loop, "_walk", biased_walk)
+    monkeypatch.setattr(loop, "_walk", biased_walk)
     counts = second_token_counts(target, head, ids, mask, 400)
     assert max(chi2(counts[r], exact[r]) for r in range(2)) > CHI2_999[7], "the test cannot see a biased walk"
 
@@ -372,12 +374,44 @@ def test_chain_mode_and_beams_refuse_batches(llama_ngram):
         dart(target, head, ids, mask, max_new_tokens=4, num_beams=2)
 
 
-def test_sliding_window_batch_is_refused():
-    target = make_target("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    head = make_head(target)
-    ids, mask = left_pad(batch_prompts(2, seed=43))
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        dart(target, head, ids, mask, max_new_tokens=4)
+@pytest.mark.parametrize("model_type", ["qwen2", *SLIDING])
+def test_sliding_window_batches_equal_plain_batched_generate(model_type, monkeypatch):
+    """Left-padded batches on sliding-window targets (all layers sliding, or sliding and full): the window is applied
+    by each row's mask from its own positions, holes and padding included. A noisy oracle head drafts the plain
+    continuation, so paths deeper than the window are accepted."""
+    if model_type == "qwen2":
+        target = make_target("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+        vocab = target.config.vocab_size
+    else:
+        target, vocab = sliding_target(model_type), 64
+    head = dart_hf.DartHead.from_target(target, draft_length=3, node_budget=8).eval()
+    g = torch.Generator().manual_seed(45)
+    rows = [torch.randint(3, vocab, (1, n), generator=g) for n in (9, 3, 14)]
+    ids, mask = left_pad(rows)
+    want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
+    oracle_rows = {tuple(r[0].tolist()): want[i, ids.shape[1]:] for i, r in enumerate(rows)}
+    original = DartDrafter.propose
+    depths = iter(list(range(1, 9)) * 40)
+
+    def propose(self, input_ids, max_new, timer, node_budget=None):
+        original(self, input_ids, max_new, timer, node_budget)  # the drafter's own state machine runs as it is
+        text = input_ids[0]
+        for prompt, cont in oracle_rows.items():
+            if tuple(text[: len(prompt)].tolist()) == prompt:
+                done = text.numel() - len(prompt)
+                truth = cont[done : done + min(next(depths), max_new)].tolist()
+                wrong = [(t + 1 + i) % vocab for i, t in enumerate(truth)]
+                return chain_tree(int(text[-1]), truth, wrong)
+        raise AssertionError("unknown row")
+
+    monkeypatch.setattr(DartDrafter, "propose", propose)
+    commit, longest = ragged.RaggedCache.commit, []
+    monkeypatch.setattr(ragged.RaggedCache, "commit",
+                        lambda self, paths, lengths: (longest.append(int(lengths.max())), commit(self, paths, lengths)))
+    out = target.generate(ids, attention_mask=mask, assistant_model=head, do_sample=False, max_new_tokens=24,
+                          pad_token_id=PAD)
+    assert torch.equal(out, want)
+    assert max(longest) > 4 + 1  # a row accepted a path deeper than the window
 
 
 # ---------------------------------------------------------------------------------------------- pipelines

@@ -13,22 +13,23 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 import dart_hf
-from conftest import make_head, make_target, prompts
+from conftest import compact_cache, make_head, make_target, prompts
 from dart_hf_cli import main as cli
 from dart_hf.core import budget as budget_module
 from dart_hf.core import cost as cost_module
 from dart_hf.core.acceptance import accept_greedy
+from dart_hf.core.ragged import decode_cache
 from dart_hf.core.budget import BudgetKnobs, BudgetPolicy, BudgetState, budget_policy
 from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf.core.drafter import default_node_budget
 from dart_hf.tools import calibrate as calibration
-from dart_hf.core.loop import _first_stop
+from dart_hf.core.stopping import first_stops
 from dart_hf.core.tree import TreeSearchParams, build_tree
-from dart_hf.core.verify import compact_cache, verify_tree
+from dart_hf.core.verify import verify_tree
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +63,7 @@ def test_counterfactual_acceptance_equals_rebuilding_smaller_trees():
     g = torch.Generator().manual_seed(0)
     for ids in texts:
         full = plain(target, ids, 80)[0]
-        cache = DynamicCache(config=target.config)
+        cache = decode_cache(target.config)
         out = target(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         seq = torch.cat([ids, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         for _ in range(6):
@@ -85,7 +86,7 @@ def test_counterfactual_acceptance_equals_rebuilding_smaller_trees():
             assert actual[-1] == acc.path.numel() - 1
             lengths.append(actual[-1])
             cut += actual[0] < actual[-1]
-            compact_cache(cache, past, acc.path)
+            compact_cache(target, cache, past, acc.path)
             seq = torch.cat([seq, acc.tokens.view(1, -1)], dim=1)
         assert torch.equal(seq[0], full[: seq.shape[1]])  # the steps decoded the target's own greedy text
     assert len(set(lengths)) >= 3 and max(lengths) >= 3 and cut >= 3, (lengths, cut)
@@ -444,7 +445,9 @@ def test_first_stop_fast_path_matches_token_by_token_check(max_length):
         criteria = StoppingCriteriaList([MaxLengthCriteria(max_length), EosTokenCriteria([3, 7])])
         n_new = int(torch.randint(1, 6, (1,), generator=g))
         slow = next((j for j in range(n_new) if criteria(ids[:, : 10 - n_new + j + 1], None).any()), None)
-        assert _first_stop(ids, n_new, criteria, None) == slow
+        start = torch.tensor([10 - n_new])
+        fast = first_stops(start, ids[:, 10 - n_new :], torch.tensor([n_new]), criteria)
+        assert int(fast[0]) == (n_new if slow is None else slow)
 
 
 # ---------------------------------------------------------------------------------------------------- batches
@@ -528,7 +531,7 @@ def test_measured_verify_scale_per_tree_size_corrects_the_curves_shape():
 def test_the_batch_loop_probes_the_other_side_once_in_32_steps():
     """While the rule says plain decoding one step in 32 drafts (best tree); while it says a tree, one step in 32
     is plain decoding."""
-    from dart_hf.core.batch_loop import _step_budget
+    from dart_hf.core.loop import _step_budget
 
     sizes = [1, 2, 4, 8, 16, 32, 64]
     policy = informed_policy(VerifyCost(sizes, [0.010] * len(sizes)))  # flat: drafting pays
@@ -565,7 +568,7 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
     """A batched "auto" call times its verify forwards and its rows' drafting into the policy (CPU phase times are
     exact), drafting time only from steady drafting steps (a tree after a tree: the head catches up on nothing),
     and stays equal to plain batched generate. The step budgets are scripted, so nothing depends on timing."""
-    from dart_hf.core import batch_loop
+    from dart_hf.core import loop
     from dart_hf.tools.bench import left_pad
 
     target = make_target("llama")
@@ -573,7 +576,7 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
     texts = prompts(3, seed=9)
     head = head_with_ngram(target, texts, node_budget=None)
     script = [7, 7, 0, 3, 0, 1, 1, 0]
-    monkeypatch.setattr(batch_loop, "_step_budget", lambda policy, fixed, rows, probe: (script[probe % 8], probe + 1))
+    monkeypatch.setattr(loop, "_step_budget", lambda policy, fixed, rows, probe: (script[probe % 8], probe + 1))
     ids, mask = left_pad(texts, pad_id=2)
     gen = dict(attention_mask=mask, do_sample=False, max_new_tokens=20)
     out = target.generate(ids, assistant_model=head, **gen)

@@ -17,10 +17,10 @@ import torch
 from transformers import DynamicCache
 
 import dart_hf
-from conftest import SLIDING, SLIDING_WINDOW, prefilled, sliding_target
+from conftest import SLIDING, SLIDING_WINDOW, compact_cache, prefilled, sliding_target
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTree, ancestor_mask
-from dart_hf.core.verify import compact_cache, verify_tree
+from dart_hf.core.verify import verify_tree
 from dart_hf.tools.targets import tiny_config
 
 WINDOW = SLIDING_WINDOW
@@ -76,11 +76,10 @@ def test_compaction_leaves_the_cache_of_prefix_plus_path(model_type, depth):
     cache = prefilled(target, past)
     verify_tree(target, tree, cache, past_len=9)
     path = torch.tensor([0] + [2 * d for d in range(1, depth + 1)])  # root, then each level's true node
-    compact_cache(cache, 9, path)
+    compact_cache(target, cache, 9, path)
     ref = prefilled(target, torch.cat([past, tree.tokens[path].unsqueeze(0)], dim=1))
-    assert cache.get_seq_length() == ref.get_seq_length() == 9 + path.numel()
+    assert cache.get_seq_length() == ref.get_seq_length() == 9 + path.numel()  # every position kept (full layers)
     for got, want in zip(cache.layers, ref.layers):
-        assert type(got) is type(want)
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
     nxt = torch.tensor([[17, 18, 19]])  # and decoding continues exactly from the compacted cache
@@ -149,11 +148,15 @@ def test_sampling_matches_the_exact_distribution_past_the_window(model_type):
         assert float(((counts - expected) ** 2 / expected).sum()) < CHI2_999_7
 
 
-def test_a_cache_without_the_sliding_layers_is_refused():
-    """A user's cache of full layers only (made for another config): verify masks would miss the window, so refuse."""
+def test_a_callers_cache_of_either_layout_decodes_like_plain_generate():
+    """The caller's empty cache (the target's own layout with sliding layers, or full layers only) is the one that gets
+    filled; DART keeps every position in it (full layers: the window is applied by the verify masks)."""
     target = sliding_target("mistral")
     head = dart_hf.DartHead.from_target(target, draft_length=3).eval()
-    full = DynamicCache(config=tiny_config("mistral", sliding_window=None, num_hidden_layers=4))
-    assert not any(layer.is_sliding for layer in full.layers)
-    with pytest.raises(ValueError, match=r"DynamicCache\(config=model.config\)"):
-        target.generate(torch.tensor([[5, 6, 7]]), assistant_model=head, max_new_tokens=4, cache=full)
+    ids = torch.randint(3, 64, (1, 11), generator=torch.Generator().manual_seed(6))
+    want = target.generate(ids, do_sample=False, max_new_tokens=12)
+    for cache in (DynamicCache(config=target.config),
+                  DynamicCache(config=tiny_config("mistral", sliding_window=None, num_hidden_layers=4))):
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, cache=cache,
+                              return_dict_in_generate=True)
+        assert torch.equal(out.sequences, want) and out.cache is cache and cache.get_seq_length() >= 11 + 11

@@ -94,3 +94,32 @@ def test_a_call_prepares_the_head_once_and_leaves_only_declared_state(llama, mod
     assert {k: v for k, v in vars(head).items() if k not in changed} == {
         k: v for k, v in declared.items() if k not in changed}
     assert head._dart_placed and head._placed_copies == {}
+
+
+# ------------------------------------------------------------------------------------------ what import changes
+def test_every_wrapper_import_installs_defers_untouched_for_a_call_without_a_dart_head(llama, monkeypatch, tmp_path):
+    """The three transformers functions `import dart_hf` wraps (docs/ARCHITECTURE.md lists them) hand any call
+    without a DART head to the original with exactly its arguments."""
+    from transformers import GenerationMixin
+    import transformers.pipelines.base as pipelines_base
+
+    from dart_hf.integrations import transformers as routing
+
+    assert GenerationMixin.generate is routing._generate
+    assert GenerationMixin._get_candidate_generator is routing._get_candidate_generator
+    assert pipelines_base.load_assistant_model is routing._load_assistant_model
+    seen = []
+    record = lambda name: (lambda *args, **kwargs: seen.append((name, args, kwargs)) or name)
+    monkeypatch.setattr(routing, "_original_generate", record("generate"))
+    monkeypatch.setattr(routing, "_original_get_candidate_generator", record("candidates"))
+    monkeypatch.setattr(routing, "_original_load_assistant_model", record("load"))
+    ids, draft = prompts(1, seed=61)[0], make_head(llama)  # a head is not a causal LM: stand-in objects below
+    assistant = object()
+    assert llama.generate(ids, max_new_tokens=3, assistant_model=assistant, top_k=4) == "generate"
+    assert seen[-1] == ("generate", (llama, ids), {"max_new_tokens": 3, "assistant_model": assistant, "top_k": 4})
+    assert routing._get_candidate_generator(llama, "config", 1, assistant_model=assistant) == "candidates"
+    assert seen[-1] == ("candidates", (llama, "config", 1), {"assistant_model": assistant})
+    folder = str(tmp_path)  # a causal LM's folder, as pipelines take one (no config here: not a head)
+    assert routing._load_assistant_model(llama, folder, None) == "load"
+    assert seen[-1] == ("load", (llama, folder, None), {})
+    assert draft.stats is None  # (the head was never involved)

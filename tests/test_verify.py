@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_target, prefilled
+from conftest import compact_cache, make_target, prefilled
 from dart_hf.core.tree import TreeSearchParams, build_tree
-from dart_hf.core.verify import compact_cache, tree_attention_mask, verify_tree
+from dart_hf.core.ragged import RaggedCache
+from dart_hf.core.tree_batch import TreeBatch
+from dart_hf.core.verify import verify_tree
 
 
 def random_tree(vocab: int, seed: int = 0, budget: int = 14):
@@ -39,7 +41,8 @@ def test_flex_attention_block_mask_matches_dense_mask():
     dense = verify_tree(dense_target, tree, prefilled(dense_target, prefix), past_len=7)
     flex = verify_tree(flex_target, tree, prefilled(flex_target, prefix), past_len=7)
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
-    mask = tree_attention_mask(tree, 7, "flex_attention", torch.float32)
+    mask = RaggedCache(prefilled(flex_target, prefix), torch.ones(1, 7, dtype=torch.bool), flex_target.config
+                       ).verify_mask(TreeBatch.stack([tree]), "flex_attention", torch.float32)
     assert type(mask).__name__ == "BlockMask"
 
 
@@ -52,7 +55,7 @@ def test_compaction_leaves_the_cache_of_prefix_plus_path():
     verify_tree(target, tree, cache, past_len=6)
     deepest = int(tree.depths.argmax())
     path = tree.ancestor_mask[deepest].nonzero().squeeze(1)
-    compact_cache(cache, 6, path)
+    compact_cache(target, cache, 6, path)
     ref = prefilled(target, torch.cat([prefix, tree.tokens[path].unsqueeze(0)], dim=1))
     assert cache.get_seq_length() == 6 + path.numel()
     for got, want in zip(cache.layers, ref.layers):

@@ -1,4 +1,4 @@
-"""The node budget of a batched step (`dart_hf.core.batch_loop`): the single-row policy's E[accepted | n] per row
+"""The node budget of a batched step (`dart_hf.core.loop`, more than one active row): the single-row policy's E[accepted | n] per row
 (`dart_hf.core.budget`), over a step time modelled rather than timed per (rows, n),
 
     T(R, n) = s(n) * curve(R * (n + 1)) + R * D(n)

@@ -1,36 +1,53 @@
-"""The DART tree decoding loop: prefill, then per step propose -> verify -> accept -> advance -> stop -> stream.
+"""The DART decoding loop, for one row or a batch: prefill, then per step propose -> verify -> accept -> commit ->
+stop -> stream. Same output as plain `generate` (greedy: token for token; sampling: the same distribution).
 
 `dart_decode` has the signature of a transformers decoding method, so `GenerationMixin.generate` prepares
-everything (GenerationConfig, logits processors and warpers, stopping criteria incl. stop strings, max
-length, the DynamicCache) and then hands over to it, either through `custom_generate=dart_decode` or through
-the `assistant_model=DartHead` routing installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
-The draft half lives in `drafter.py` (shared with chain mode), every temporary change to the target in
-`runtime.py`, the per-call results in `stats.py`. A batch (more than one row, or left padding) runs the same checks
-and set-up here, then the batched loop of `batch_loop.py`; one unpadded row stays on this loop.
+everything (GenerationConfig, logits processors and warpers, stopping criteria incl. stop strings, max length) and
+then hands over to it, either through `custom_generate=dart_decode` or through the `assistant_model=DartHead` routing
+installed by `import dart_hf` (see `dart_hf.integrations.transformers`). Per step:
+
+    each row's tree (its own `DartDrafter`: head forward + tree search)  ->  `TreeBatch` (padded to one node count)
+    `verify_batch`: one target forward over [rows, N], the mask of each row (`ragged.RaggedCache`: padding + holes +
+        sliding windows + tree), returning the logits and the layer inputs the head reads next
+    acceptance: `accept_greedy_batch` (vectorised over rows), else the walk per row with the processors
+    `RaggedCache.commit`: each row's path into the step's new slots (holes behind shorter paths)
+    stops per row (`stopping.first_stops`), finished rows leave the batch (`RaggedCache.select`)
+
+One unpadded row is a batch of one without holes: its cache is plain decoding's, and its processors and stopping
+criteria are called once per new token, in order, as plain `generate` calls them. Refusals: `checks.py`; the rows as
+`generate` holds, returns and streams them: `rows.py`; the per-call results: `stats.py`.
+
+What plain batched `generate` does, and how it is kept:
+- Positions: a left-padded row counts from its first real token (cumsum of the attention mask - 1); the prefill is
+  the same call `generate` makes (2D mask and those position ids).
+- Logits processors see the row exactly as `generate` gives it (left padding included, length prompt + t), at its
+  own batch index (`rows.RowProcessor`). In a batch they are called once per row and token, not once per token for
+  the batch, so state kept across calls would see other calls than in `generate` (SynthID is refused there).
+- Sampling: per row, the walk's rule (the target's own draw at each visited node, one multinomial per token). The
+  same seed gives the same text; in a batch the draws are not those of plain batched `generate`, whose single
+  multinomial per step covers all rows at once.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.logits_process import (
-    SynthIDTextWatermarkLogitsProcessor,
-    UnbatchedClassifierFreeGuidanceLogitsProcessor,
-)
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from .acceptance import Accepted, accept_greedy, accept_walk
-from .batch_loop import check_batch_call, decode_batch, is_batch
-from .budget import BudgetPolicy, budget_policy
+from .acceptance import Accepted, BatchAccepted, accept_greedy_batch, accept_walk
+from .batch_budget import batch_budget
+from .budget import BudgetPolicy, budget_policy, path_ranks
+from .checks import (call_cache, check_call, check_model_inputs, check_padding, check_processors, is_batch,
+                     prepare_call)
 from .distributed import check_tensor_parallel_call
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
+from .ragged import RaggedCache
+from .rows import ColumnStream, RowProcessor, Rows, final_length, result, scores_after_stop
 from .stats import DartStats, PhaseTimer
-from .stopping import first_stop as _first_stop
-from .support import check_tree_target
-from .target import aux_request, aux_states, cache_kwargs, check_head_matches_target, prepare_head
-from .tree import DraftTree
-from .verify import compact_cache, tree_forward
+from .stopping import fast_criteria, first_stop, first_stops
+from .target import aux_request, aux_states, cache_kwargs
+from .tree_batch import TreeBatch
+from .verify import verify_batch
 
 
 @torch.no_grad()
@@ -50,10 +67,10 @@ def dart_decode(
     **model_kwargs,
 ):
     """Generate with DART tree speculation. Same result as greedy / sampled `generate` (lossless), for one row or a
-    batch of left-padded rows (`batch_loop.decode_batch`).
+    batch of left-padded rows.
 
-    dart_head: the draft head (checked and placed by `prepare_call`: moved and cast in place to the target's device
-    and dtype on the first call with that target).
+    dart_head: the draft head (checked and placed by `checks.prepare_call`: moved and cast in place to the target's
+    device and dtype on its first call; a placed copy for a target on another device or dtype).
     dart_streamer: a transformers streamer (transformers does not forward `streamer` to custom decoding callables).
     dart_node_budget: tree size override: an int (0: plain decoding in this loop), or "auto" for the cost-aware
     budget chosen step by step (`dart_hf.core.budget`); default: the head's config (`node_budget=None` there also
@@ -63,185 +80,99 @@ def dart_decode(
     dart_stats: a `DartStats` to fill (default: a new one); `dart_head.stats` points at it from the start of the call.
     dart_budget_state: a `dart_hf.core.budget.BudgetState` for the cost-aware policy (default: the head's).
     """
-    _check_call(model, dart_head, input_ids, generation_config, model_kwargs)
-    batched = is_batch(input_ids, model_kwargs.get("attention_mask"))
-    check_processors(logits_processor, "a batch" if batched else None)
+    check_call(model, dart_head, input_ids, generation_config, model_kwargs)
+    attention_mask = model_kwargs.get("attention_mask")
+    check_processors(logits_processor, "a batch" if is_batch(input_ids, attention_mask) else None)
     head, stats = prepare_call(dart_head, model, dart_stats)
     check_tensor_parallel_call(head, model, mode="tree", batch_size=input_ids.shape[0], node_budget=dart_node_budget,
                                do_sample=bool(generation_config.do_sample))
-    _check_model_inputs(model, input_ids, model_kwargs, generation_config)  # after the head / target checks
-    cache = _empty_cache(model, model_kwargs)
-    if batched:
-        check_batch_call(model_kwargs.get("attention_mask"), cache)
-    use_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
-    policy, budget = _budget(head, model, dart_node_budget, use_lookup, dart_budget_state)
-    stats.reset(mode="tree", budget_mode="auto" if policy else "fixed", node_budget=budget)
+    check_model_inputs(model, input_ids, model_kwargs, generation_config)  # after the head / target checks
+    check_padding(attention_mask)
+    cache = call_cache(model, model_kwargs)
+    prompt_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
+    policy, node_budget = _budget(head, model, dart_node_budget, prompt_lookup, dart_budget_state)
+    stats.reset(mode="tree", budget_mode="auto" if policy else "fixed", node_budget=node_budget)
     timer = PhaseTimer(stats.time, head.device, dart_timing)
-    if batched:
-        return decode_batch(model, head, input_ids, model_kwargs.get("attention_mask"), cache, logits_processor,
-                            stopping_criteria, generation_config, stats=stats, timer=timer, policy=policy,
-                            node_budget=budget, prompt_lookup=use_lookup, streamer=dart_streamer)
-    drafter = DartDrafter(head, model, max_length=generation_config.max_length, node_budget=budget,
-                          prompt_lookup=use_lookup, eos_token_ids=generation_config._eos_token_tensor)
-    output = _Output(generation_config)
-    accept = _acceptance_rule(generation_config, logits_processor, output.keep)
+
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
+    rows = Rows(input_ids, mask)
+    config = generation_config
+    pad_id = config._pad_token_tensor
+    pad_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as GenerationMixin._sample
+    keep = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
+    do_sample = bool(config.do_sample)
+    greedy = not do_sample and len(logits_processor) == 0
+    ngram = head.ngram.to(head.device) if head.ngram is not None else None  # one copy for every row
+    drafters = {b: DartDrafter(head, model, max_length=config.max_length, node_budget=node_budget,
+                               prompt_lookup=prompt_lookup, eos_token_ids=config._eos_token_tensor, ngram=ngram)
+                for b in range(len(rows))}
+    out_stream = ColumnStream(dart_streamer, rows, pad_id)
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
     aux_ids = head.config.aux_layer_ids
     with timer.phase("prefill"):
-        raw, processed, first, aux = _prefill(model, input_ids, cache, logits_processor, generation_config.do_sample,
-                                              aux_ids)
-        drafter.advance(aux, torch.cat([input_ids[:, 1:], first], dim=1))
-    input_ids, n_new, finished = _append(input_ids, first.view(-1), stopping_criteria, processed)
-    stats.new_tokens = n_new
-    output.add(processed, raw, n_new)
-    _stream(dart_streamer, input_ids, n_new)
-    while not finished:
-        if policy is not None:
-            budget = policy.next_budget()
+        raw, processed, first, aux = _prefill(model, input_ids, attention_mask, mask, cache, logits_processor,
+                                              do_sample, aux_ids)
+        for b, drafter in drafters.items():
+            left = rows.lefts[b]
+            drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]))
+    ragged = RaggedCache(cache, mask.bool(), model.config)
+    active = list(range(len(rows)))
+    one = torch.ones(len(rows), dtype=torch.long, device=input_ids.device)
+    step = BatchAccepted(paths=torch.zeros_like(one).unsqueeze(1), lengths=one, tokens=first.unsqueeze(1),
+                         scores=processed.unsqueeze(1), logits=raw.unsqueeze(1))
+    stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
+    active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+    out_stream.flush(active)
+    probe, budget, drafted_before, single = 0, node_budget, False, False
+    while active:
+        single = policy is not None and len(active) == 1  # the single-row rule times whole steps
+        budget, probe = _step_budget(policy, node_budget, len(active), probe)
+        if single:
             policy.start()
-        past_len, max_new = cache.get_seq_length(), generation_config.max_length - input_ids.shape[1] - 1
-        tree = drafter.propose(input_ids, max_new, timer, budget).to(model.device)
+        drafted = _drafting_seconds(timer)
+        trees = TreeBatch.stack(
+            [drafters[b].propose(rows.text(b), config.max_length - rows.length(b) - 1, timer, budget)
+             .to(model.device) for b in active],
+            fill=int(pad_id) if pad_id is not None else 0,
+        )
         with timer.phase("verify"):
-            logits, tree_aux = tree_forward(model, tree, cache, past_len, aux_ids)
+            logits, tree_aux = verify_batch(model, trees, ragged, aux_ids)
         with timer.phase("accept"):
-            acc = accept(tree, logits, input_ids)
-            compact_cache(cache, past_len, acc.path)
-            drafter.advance(tree_aux[:, acc.path.to(tree_aux.device)], acc.tokens)
-            input_ids, n_new, finished = _append(input_ids, acc.tokens, stopping_criteria, acc.scores)
-        if policy is not None:
-            policy.observe_tree(tree, acc.path, budget)
+            if greedy:
+                step = accept_greedy_batch(trees, logits, keep)
+            else:
+                step = BatchAccepted.from_rows([
+                    _walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b],
+                          RowProcessor(logits_processor, b, len(rows)), do_sample)
+                    for i, b in enumerate(active)
+                ])
+            ragged.commit(step.paths, step.lengths)
+            lengths = step.lengths.tolist()
+            for i, b in enumerate(active):
+                path = step.paths[i, : lengths[i]]
+                drafters[b].advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]])
+            n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
+        if single:
+            policy.observe_tree(trees.trees[0], step.paths[0, : lengths[0]].to(trees.tokens.device), budget)
+        elif policy is not None:
+            _observe_batch(policy, trees, step, lengths, budget, timer, _drafting_seconds(timer) - drafted,
+                           drafted_before)
+        drafted_before = budget > 0
         stats.record_step(n_new, budget)
-        output.add(acc.scores, acc.logits, n_new)
-        _stream(dart_streamer, input_ids, n_new)
+        active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+        ragged.compact()
+        out_stream.flush(active)
 
+    total = final_length(rows, pad_finished)
+    if keep and pad_finished:
+        scores_after_stop(model, rows, total, logits_processor, pad_id)
+    out_stream.flush([], total)
     if dart_streamer is not None:
         dart_streamer.end()
-    stats.node_budget = policy.choice if policy is not None else budget
-    return output.result(input_ids, cache)
-
-
-# ------------------------------------------------------------------------------------------------ set-up
-def prepare_call(head: DartHead, model, stats: DartStats | None) -> tuple[DartHead, DartStats]:
-    """What every DART `generate` call does once with its head, tree loop and chain mode alike, before drafting:
-    refuse a head built for another target (`check_head_matches_target`), get the head placed for `model`
-    (`prepare_head`: the head itself, moved in place on its first call, or a placed copy; never moved while another
-    call may draft with it), and make `stats` (default: a new `DartStats`) the call's, as `head.stats`. Returns (the
-    head to draft with, the stats); the caller resets the stats once it knows the mode and node budget."""
-    check_head_matches_target(head, model)
-    placed = prepare_head(head, model)
-    if stats is None:
-        stats = DartStats()
-    elif not isinstance(stats, DartStats):
-        raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
-    head.stats = stats
-    return placed, stats
-
-
-def _check_call(model, head, input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict):
-    """Refuse, with the argument to blame, every call the loop cannot run exactly (the head: `prepare_call`)."""
-    if not isinstance(head, DartHead):
-        raise TypeError(f"dart_decode needs dart_head=<DartHead>, got {type(head).__name__}")
-    if model_kwargs.get("synced_gpus"):
-        raise ValueError("DART decoding does not support synced_gpus")
-    # beams / return sequences first: generate() has already expanded input_ids by them, and a "batch of 2"
-    # error would blame the wrong argument
-    if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
-        raise ValueError("DART decoding supports num_beams=1 and num_return_sequences=1")
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise ValueError(
-            f"DART decoding needs a DynamicCache (tree entries are compacted in place); "
-            f"cache_implementation={generation_config.cache_implementation!r} is not supported"
-        )
-    check_tree_target(model)
-
-
-# What `generate` hands the decoding method besides input_ids that this loop honours (position ids: the ones
-# `generate` derives itself, `_default_positions`; the output flags: `_check_model_inputs`)
-MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
-                          "position_ids", "output_attentions", "output_hidden_states"})
-
-
-def _unset(value) -> bool:
-    """None, False (a flag turned off) or empty (multimodal models get an empty `mm_encoder_outputs` when the call
-    has no media)."""
-    return value is None or value is False or (isinstance(value, (dict, list, tuple)) and not value)
-
-
-def _default_positions(model, input_ids: torch.Tensor, attention_mask, positions: torch.Tensor) -> bool:
-    """Whether `positions` are the ones `generate` derives when the caller passes none (the model's own rule: image-text
-    models add their multimodal axes), which the loop's positions follow."""
-    derived = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask})
-    try:  # (without a mask `generate` derives one row of positions for the whole batch)
-        derived = derived.to(positions.device).expand_as(positions)
-    except RuntimeError:
-        return False
-    return torch.equal(derived, positions)
-
-
-def _check_model_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, generation_config: GenerationConfig):
-    """Refuse model inputs the tree loop would not feed the target (it prefills and verifies from input_ids and the
-    attention mask alone), so they cannot silently change the text: inputs_embeds, images and other modalities,
-    position ids other than the ones `generate` derives from the mask; and per-step attentions / hidden states,
-    which a tree forward computes over draft nodes, not the emitted tokens."""
-    if model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError("DART tree decoding reads the prompt as input_ids; inputs_embeds is not supported "
-                         "(dart_mode=\"chain\" takes it beside input_ids)")
-    given = {k for k, v in model_kwargs.items() if not _unset(v)}
-    extra = sorted(given - MODEL_INPUTS)
-    if extra:
-        raise ValueError(f"DART tree decoding feeds the target input_ids and attention_mask only, not {extra} "
-                         f"(images, other modalities); dart_mode=\"chain\" (transformers' assisted decoding) passes "
-                         f"them to the target")
-    positions = model_kwargs.get("position_ids")
-    mask = model_kwargs.get("attention_mask")
-    if positions is not None and not _default_positions(model, input_ids, mask, positions):
-        raise ValueError("DART tree decoding places tokens by the attention mask (as plain generate does when no "
-                         "position_ids are passed); custom position_ids are not supported")
-    if generation_config.return_dict_in_generate and any(
-            model_kwargs.get(f) or getattr(generation_config, f, False)
-            for f in ("output_attentions", "output_hidden_states")):
-        raise ValueError("DART tree decoding does not return per-token attentions or hidden states (its target "
-                         "forwards run over draft trees); output_scores and output_logits are supported")
-
-
-def check_processors(logits_processor: LogitsProcessorList | None, other_layout: str | None) -> None:
-    """Refuse the processors `generate` builds that hold state across calls, which DART cannot feed as plain
-    `generate` does. The tree loop on one row calls processors once per new token, in order, with the row as plain
-    `generate` shows it, so stateful ones stay exact there; `other_layout` names a call that does not ("a batch":
-    each row is processed on its own, at its own pace; chain mode: transformers' assisted loop processes every
-    drafted position, rejected ones included). Custom processors are not inspected: the README asks that those
-    depend only on their arguments."""
-    for processor in logits_processor or ():
-        if isinstance(processor, UnbatchedClassifierFreeGuidanceLogitsProcessor):
-            raise ValueError(
-                "guidance_scale (classifier-free guidance) runs the target inside a logits processor, with its own "
-                "cache, once per token; DART decoding does not support it (use plain generate)"
-            )
-        if isinstance(processor, SynthIDTextWatermarkLogitsProcessor) and other_layout:
-            raise ValueError(
-                f"SynthID watermarking keeps a state that assumes one processor call per token for the whole "
-                f"batch; DART cannot keep that order in {other_layout} (it is exact in the default tree mode, "
-                f"one row per call)"
-            )
-
-
-def _empty_cache(model, model_kwargs: dict) -> DynamicCache:
-    cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
-    if cache is None:
-        cache = DynamicCache(config=model.config)
-    if not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0:
-        raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled or static cache is not supported)")
-    # the verify masks follow the cache's layers (full or sliding window): they must be the target's own
-    expected = [type(layer) for layer in DynamicCache(config=model.config).layers]
-    got = [type(layer) for layer in cache.layers]
-    if got != expected and (got or any(getattr(t, "is_sliding", False) for t in expected)):
-        raise ValueError(
-            "DART decoding needs a cache with this target's layer types (sliding-window layers included): pass "
-            "DynamicCache(config=model.config), or no cache"
-        )
-    return cache
+    stats.node_budget = policy.choice if policy is not None and len(rows) == 1 else budget  # the latest choice
+    return result(rows, total, pad_id, config, keep, cache=None if len(rows) > 1 or ragged.holes else cache)
 
 
 def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetPolicy | None, int]:
@@ -255,71 +186,123 @@ def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[
 
 
 # ------------------------------------------------------------------------------------------------ the steps
-def _prefill(model, input_ids, cache, logits_processor, do_sample: bool, aux_ids: list[int]):
-    """(raw logits, processed scores, first new token [1, 1], the layer inputs the head reads [1, S, 3H]) of the
-    prompt, the token chosen as `generate` chooses it."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache),
-                **aux_request(aux_ids))
+def _prefill(model, input_ids, attention_mask, mask, cache, logits_processor, do_sample: bool, aux_ids: list[int]):
+    """(raw logits, processed scores, first new token per row [B], the layer inputs the head reads [B, S, 3H]) of the
+    prompts: the forward `generate` runs (2D mask, positions counted from each row's first real token) and its choice
+    of token."""
+    positions = (mask.cumsum(dim=-1) - 1).masked_fill(mask == 0, 0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1, **cache_kwargs(model, cache), **aux_request(aux_ids))
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone())
     aux = aux_states(out, aux_ids)
     if do_sample:
-        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), 1), aux
-    return raw, processed, processed.argmax(dim=-1, keepdim=True), aux
+        return raw, processed, torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1).squeeze(1), aux
+    return raw, processed, processed.argmax(dim=-1), aux
 
 
-def _acceptance_rule(generation_config: GenerationConfig, logits_processor: LogitsProcessorList, keep_scores: bool):
-    """accept(tree, logits, input_ids) -> Accepted: the vectorised greedy rule when nothing processes the logits,
-    else the walk that applies the processors per visited node."""
-    do_sample = bool(generation_config.do_sample)
-    if not do_sample and len(logits_processor) == 0:
-        return lambda tree, logits, input_ids: accept_greedy(tree, logits, keep_scores)
-
-    def walk(tree: DraftTree, logits: torch.Tensor, input_ids: torch.Tensor) -> Accepted:
-        return accept_walk(tree, logits, input_ids, logits_processor, do_sample)
-
-    return walk
+def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool) -> Accepted:
+    """The single-row acceptance walk on one row: `context` is the row as `generate` holds it."""
+    return accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample)
 
 
-def _append(input_ids, tokens: torch.Tensor, stopping_criteria: StoppingCriteriaList, scores):
-    """(input_ids + the new tokens up to the first stop, how many were kept, whether generation stops)."""
-    n_new = tokens.numel()
-    input_ids = torch.cat([input_ids, tokens.view(1, -1).to(input_ids.device)], dim=1)
-    stop = _first_stop(input_ids, n_new, stopping_criteria, scores)
-    if stop is None:
-        return input_ids, n_new, False
-    return input_ids[:, : input_ids.shape[1] - n_new + stop + 1], stop + 1, True
+def _observe_batch(policy: BudgetPolicy, trees: TreeBatch, step: BatchAccepted, lengths: list[int], budget: int,
+                   timer: PhaseTimer, drafting: float, steady: bool) -> None:
+    """What a batched step tells the batch rule: its verify scale and per-row drafting cost (exact times only), and
+    each row's acceptance (a batched step is not a single-row step time)."""
+    with policy.lock:
+        if timer.exact:
+            policy.batch_times.observe(len(trees.trees), budget, trees.tokens.numel(), timer.last["verify"], drafting,
+                                       steady=steady)
+    if budget > 0:
+        for i, tree in enumerate(trees.trees):
+            path = step.paths[i, : lengths[i]].to(tree.tokens.device)
+            policy.observe(budget, path_ranks(tree, path).tolist())
 
 
-def _stream(streamer, input_ids: torch.Tensor, n_new: int) -> None:
-    if streamer is not None:
-        streamer.put(input_ids[0, input_ids.shape[1] - n_new :].cpu())
+def _drafting_seconds(timer: PhaseTimer) -> float:
+    """Seconds spent so far on head forwards and tree searches (the drafters time their phases into `timer`)."""
+    return timer.totals.get("draft", 0.0) + timer.totals.get("tree", 0.0)
 
 
-# ------------------------------------------------------------------------------------------------ output
-class _Output:
-    """The processed scores / raw logits of every new token when `return_dict_in_generate` asks for them."""
+def _step_budget(policy: BudgetPolicy | None, fixed: int, rows: int, probe: int) -> tuple[int, int]:
+    """(this step's node budget per row, steps since the last batch probe). Fixed budgets stay fixed. The cost-aware
+    rule for one row is the policy's own (`BudgetPolicy.next_budget`: whole steps timed, paced probes); for a batch it
+    is `batch_budget.batch_budget`, and one step in 32 is a probe of the other side: drafting with the best tree
+    when the rule says plain decoding (whose acceptance would otherwise never be measured again), plain decoding when
+    it says draft (so the rule compares two measured verify times, not the curve's guess of one)."""
+    if policy is None:
+        return fixed, 0
+    if rows == 1:
+        return policy.next_budget(), probe
+    with policy.lock:
+        budget = batch_budget(policy, rows)
+        if probe >= 31:
+            return (batch_budget(policy, rows, drafting_only=True) if budget == 0 else 0), 0
+    return budget, probe + 1
 
-    def __init__(self, generation_config: GenerationConfig):
-        self.config = generation_config
-        self.keep = bool(generation_config.return_dict_in_generate) and bool(
-            generation_config.output_scores or generation_config.output_logits
-        )
-        self.scores: list[torch.Tensor] = []
-        self.logits: list[torch.Tensor] = []
 
-    def add(self, scores: torch.Tensor | None, logits: torch.Tensor | None, n_new: int) -> None:
-        """Rows [n, vocab] of the step's tokens; the first `n_new` are kept (the rest followed a stop)."""
-        if self.keep:
-            self.scores.extend(scores[:n_new].unsqueeze(1))
-            self.logits.extend(logits[:n_new].unsqueeze(1))
+def _append(rows: Rows, active: list[int], step: BatchAccepted, stopping_criteria: StoppingCriteriaList,
+            max_length: int, pad_finished: bool, keep: bool) -> int:
+    """Append each active row's new tokens up to its first stop (`stopping.first_stops`); record where rows stop.
+    Returns how many tokens were appended over all rows.
 
-    def result(self, input_ids: torch.Tensor, cache: DynamicCache):
-        if not self.config.return_dict_in_generate:
-            return input_ids
-        return GenerateDecoderOnlyOutput(
-            sequences=input_ids,
-            scores=tuple(self.scores) if self.config.output_scores else None,
-            logits=tuple(self.logits) if self.config.output_logits else None,
-            cache=cache if self.config.use_cache else None,
-        )
+    With `pad_finished` (EOS configured) a row's tokens after its stop are dropped (`generate` pads there). Without,
+    a row keeps every token up to max_length (`generate` keeps decoding it until every row has stopped)."""
+    device = step.tokens.device
+    starts = torch.tensor([rows.length(b) for b in active], device=device)
+    if fast_criteria(stopping_criteria):
+        stops = first_stops(starts, step.tokens, step.lengths.to(device), stopping_criteria).tolist()
+    else:
+        stops = [_row_stop(rows, b, step, i, stopping_criteria) for i, b in enumerate(active)]
+    lengths, total = step.lengths.tolist(), 0
+    for i, b in enumerate(active):
+        n, start = lengths[i], rows.length(b)
+        stopped = stops[i] < n and rows.done[b] is None
+        kept = stops[i] + 1 if stopped and pad_finished else min(n, max_length - start)
+        if stopped:
+            rows.done[b] = start + stops[i] + 1
+        rows.seqs[b] = torch.cat([rows.seqs[b], step.tokens[i, :kept].to(rows.seqs[b].device)])
+        if keep:
+            rows.scores[b].extend(step.scores[i, :kept])
+            rows.logits[b].extend(step.logits[i, :kept])
+        total += kept
+    return total
+
+
+def _row_stop(rows: Rows, b: int, step: BatchAccepted, i: int, stopping_criteria: StoppingCriteriaList) -> int:
+    """`stopping.first_stop` on one row for criteria off the fast path (n: no stop). Rows that stopped already are
+    not asked again."""
+    n = int(step.lengths[i])
+    if rows.done[b] is not None:
+        return n
+    ids = torch.cat([rows.seqs[b], step.tokens[i, :n].to(rows.seqs[b].device)]).unsqueeze(0)
+    scores = step.scores[i, :n] if step.scores is not None else None
+    stop = first_stop(ids, n, stopping_criteria, scores)
+    return n if stop is None else stop
+
+
+def _retire(rows: Rows, active: list[int], ragged: RaggedCache, drafters: dict, max_length: int,
+            pad_finished: bool) -> list[int]:
+    """Drop the rows that need no more tokens from the batch (and their drafters); returns the active rows."""
+    all_done = all(d is not None for d in rows.done)
+    final = max((d for d in rows.done if d is not None), default=0)
+
+    def finished(b: int) -> bool:
+        if rows.length(b) >= max_length:
+            return True
+        if pad_finished:
+            return rows.done[b] is not None
+        return all_done and rows.length(b) >= final
+
+    keep = [i for i, b in enumerate(active) if not finished(b)]
+    if len(keep) == len(active):
+        return active
+    for i, b in enumerate(active):
+        if i not in keep:
+            drafters.pop(b, None)
+    if keep:
+        ragged.select(torch.tensor(keep, device=ragged.valid.device))
+    return [active[i] for i in keep]
+
+

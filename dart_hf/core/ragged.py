@@ -1,16 +1,21 @@
-"""The ragged KV cache of a batched DART call: one transformers `DynamicCache`, per-row masks and positions.
+"""The KV cache of a DART call: one transformers `DynamicCache`, per-row masks and positions, for any batch size.
 
 Rows accept different numbers of tokens per step, but a `DynamicCache` keeps one length for the whole batch. The
 scheme (no model code copied, the cache stays transformers' own):
 
 - Every step appends the same number of slots to every row: the LONGEST accepted path of the step. Row r's path
   goes into the first len_r of those slots; the slots behind it are HOLES. Left padding of the prompt is holes too.
+  One unpadded row never has a hole: its cache is exactly plain decoding's.
 - `valid` [rows, T] says which slots hold a committed token; the verify mask of a row (`verify_mask`) is its `valid`
   row (every committed token, never a hole) followed by its own tree mask. A hole is never attended to, so its
   content does not matter.
 - Positions are per row: row r's next token sits at position `next_pos[r]` = its committed tokens so far, as plain
   `generate` counts positions of a left-padded row (cumsum of the attention mask - 1). Keys are stored already
   rotated, so moving an entry to another slot does not change what it means.
+- Sliding-window layers keep every slot too (`decode_cache` makes every layer a full `DynamicLayer`): the window is
+  applied by the mask, from the slots' positions (a token sees itself and the w - 1 positions before it), so holes and
+  tree entries never shift it. A target whose layers differ (full and sliding: Gemma 2/3, gpt-oss, ...) gets one mask
+  per layer type, keyed by its config's `layer_types`, which is how those models take prepared masks.
 - When every row has at least `max(min_holes, T / 4)` holes, `compact` moves each row's committed entries to the
   right end of the row (one gather per layer) and cuts the shared holes off the front.
 - A finished row leaves the batch (`select`): it no longer costs verify work.
@@ -20,23 +25,50 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .tree_batch import TreeBatch
 
 
-class RaggedCache:
-    """A `DynamicCache` over the batch's active rows, with per-row slot validity and next positions."""
+def layer_windows(config) -> list[int | None]:
+    """The sliding window of each decoder layer of a target with this config (None: full attention), read from the
+    cache transformers would build for it. Layers tree verification cannot roll back are refused before any work
+    (`dart_hf.core.support.check_tree_target`)."""
+    return [int(layer.sliding_window) if getattr(layer, "is_sliding", False) else None
+            for layer in DynamicCache(config=config).layers]
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor, min_holes: int = 16):
+
+def decode_cache(config, cache: DynamicCache | None = None) -> DynamicCache:
+    """The (empty) cache a DART call decodes into: `cache` (the caller's) or a new one, with every sliding-window layer
+    replaced by a full `DynamicLayer` (in place: the caller's object is the one that gets filled, as in `generate`)."""
+    if cache is None:
+        cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    return cache
+
+
+class RaggedCache:
+    """A `DynamicCache` over the call's active rows, with per-row slot validity and next positions."""
+
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, config, min_holes: int = 16):
         self.cache = cache
         self.valid = valid.bool()  # [rows, T]
         self.next_pos = self.valid.sum(dim=1)  # [rows]
         self.min_holes = min_holes
+        self.windows = layer_windows(config)
+        text = config.get_text_config(decoder=True)
+        self.layer_types = getattr(text, "layer_types", None)
+        self.model_type = text.model_type
 
     @property
     def length(self) -> int:
         """T: slots per row."""
         return self.valid.shape[1]
+
+    @property
+    def holes(self) -> bool:
+        """Whether any row has a hole (then the cache is not one that plain decoding would hold)."""
+        return not bool(self.valid.all())
 
     # ------------------------------------------------------------------------------------------ the verify forward
     def positions(self, trees: TreeBatch) -> torch.Tensor:
@@ -44,12 +76,35 @@ class RaggedCache:
         return self.next_pos.unsqueeze(1) + trees.depths
 
     def verify_mask(self, trees: TreeBatch, attn_implementation: str, dtype: torch.dtype):
-        """The 4D mask [rows, 1, N, T + N] of the batch's verify forward: row r's committed slots, then its tree's
-        ancestor mask; in the form the attention backend takes (bool for SDPA, 0 / -inf for eager, a BlockMask for
-        FlexAttention)."""
+        """The `attention_mask` of the verify forward: one 4D mask [rows, 1, N, T + N] (row r's committed slots, then
+        its tree's ancestor mask; in a sliding-window layer only those within the window of the node's position), or
+        {layer type: mask} when the layers' windows differ; in the form the attention backend takes (bool for SDPA,
+        0 / -inf for eager, a BlockMask for FlexAttention)."""
+        masks = {w: self._mask(trees, w, attn_implementation, dtype) for w in dict.fromkeys(self.windows)}
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        if self.layer_types is None or len(self.layer_types) != len(self.windows):
+            raise NotImplementedError(
+                f"{self.model_type} mixes layers of windows {sorted(set(self.windows), key=str)} without "
+                '`layer_types` in its config; DART tree verification cannot tell which mask each layer takes; use '
+                'dart_mode="chain"')
+        by_type: dict[str, int | None] = {}
+        for kind, w in zip(self.layer_types, self.windows):
+            if by_type.setdefault(kind, w) != w:
+                raise NotImplementedError(f"{self.model_type} has {kind!r} layers of different windows; DART tree "
+                                          'verification passes one mask per layer type; use dart_mode="chain"')
+        return {kind: masks[w] for kind, w in by_type.items()}
+
+    def _mask(self, trees: TreeBatch, window: int | None, attn_implementation: str, dtype: torch.dtype):
         rows, n = trees.tokens.shape
         committed = self.valid.unsqueeze(1).expand(rows, n, self.length)
-        visible = torch.cat([committed, trees.ancestor_mask], dim=2)
+        in_tree = trees.ancestor_mask
+        if window is not None:  # positions: a committed slot's is its rank among the row's committed slots
+            slot_pos = self.valid.cumsum(dim=1) - 1  # [rows, T]
+            node_pos = self.positions(trees)  # [rows, N]
+            committed = committed & (node_pos.unsqueeze(2) - slot_pos.unsqueeze(1) < window)
+            in_tree = in_tree & (trees.depths.unsqueeze(2) - trees.depths.unsqueeze(1) < window)
+        visible = torch.cat([committed, in_tree], dim=2)
         if attn_implementation == "flex_attention":
             from torch.nn.attention.flex_attention import create_block_mask
 

@@ -3,7 +3,8 @@
 
 Plain `generate` checks its stopping criteria after every token; a DART step appends several tokens at once, so every
 prefix of them is checked here as `generate` would have, and the tokens after the first stop are dropped. The usual
-criteria (max length, EOS) take a vectorised fast path; any other criterion is called prefix by prefix. Criteria are
+criteria (max length, EOS) take a vectorised fast path (`first_stops`, no host sync); any other criterion is called
+prefix by prefix (`first_stop`). Criteria are
 called row by row in a batch (plain `generate` calls them on the whole batch; the standard criteria, stop strings
 included, decide each row from that row alone).
 """
@@ -22,25 +23,9 @@ def fast_criteria(stopping_criteria: StoppingCriteriaList) -> bool:
 
 def first_stop(input_ids: torch.Tensor, n_new: int, stopping_criteria: StoppingCriteriaList, scores) -> int | None:
     """Index (0-based, within the n_new tokens just appended to `input_ids` [1, L]) of the first token after which
-    generation stops, checking every prefix as plain generate would have, one token at a time.
-
-    Fast path for the usual criteria (max length, EOS): arithmetic plus one vectorised EOS lookup, one host sync
-    per step instead of one per new token."""
+    generation stops, checking every prefix as plain generate would have, one token at a time (criteria off the fast
+    path: `first_stops` decides max length and EOS for every row at once)."""
     start = input_ids.shape[1] - n_new
-    if fast_criteria(stopping_criteria):
-        limit = n_new  # index of the first stopping token; n_new: none
-        for c in stopping_criteria:
-            if type(c) is MaxLengthCriteria:
-                limit = min(limit, max(c.max_length - start - 1, 0))
-        span = input_ids[0, start : start + limit]
-        for c in stopping_criteria:
-            if type(c) is EosTokenCriteria and span.numel():
-                c.eos_token_id = c.eos_token_id.to(input_ids.device)  # as EosTokenCriteria itself does
-                hit = torch.isin(span, c.eos_token_id).nonzero()
-                if hit.numel():
-                    limit = int(hit[0, 0])
-                    span = span[:limit]
-        return limit if limit < n_new else None
     for j in range(n_new):
         if bool(stopping_criteria(input_ids[:, : start + j + 1], scores).any()):
             return j

@@ -38,7 +38,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..core.distributed import check_tensor_parallel_call
 from ..core.drafter import DartDrafter, default_node_budget, draft_depth
-from ..core.loop import check_processors, dart_decode, prepare_call
+from ..core.checks import check_processors, prepare_call
+from ..core.loop import dart_decode
 from ..core.modeling import DartHead
 from ..core.stats import DartStats, PhaseTimer
 from ..core.support import check_chain_target, check_tree_target
