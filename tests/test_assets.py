@@ -203,6 +203,45 @@ def test_abandoned_partial_conversions_are_removed(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [f".smollm2-135m-instruct.partial-{alive}-def"]
 
 
+# ---------------------------------------------------------------------------------------------- installs
+
+
+def test_a_pip_install_is_announced_with_size_and_environment_before_it_runs(monkeypatch, capsys) -> None:
+    """What, how big and into which environment, on stderr, before pip starts (pip's failure still names the
+    command to run by hand)."""
+    seen = []
+
+    def fake_run(command, **kwargs):
+        seen.append((command, capsys.readouterr().err))  # what had been printed when pip started
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(assets.subprocess, "run", fake_run)
+    item = assets.PackagedFile("no-such-package-dart-hf-test", "0.1.0", "x/y.bin", 93)
+    with pytest.raises(RuntimeError, match="pip install --no-deps no-such-package-dart-hf-test==0.1.0"):
+        assets.packaged_file(item)
+    [(command, before)] = seen
+    assert command[-1] == "no-such-package-dart-hf-test==0.1.0" and "--no-deps" in command
+    assert "no-such-package-dart-hf-test==0.1.0 (about 93 MB download" in before
+    assert sys.executable in before and sys.prefix in before
+
+
+def test_commands_list_their_first_use_installs_before_any_work(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path))
+    fake = assets.PackagedFile("no-such-package-dart-hf-test", "0.1.0", "x/y.bin", 27)
+    installed = assets.PackagedFile("torch", "0", "x", 1)
+    monkeypatch.setitem(assets.KNOWN_TARGETS, "fake-target", assets.TargetSpec("llama", "f.gguf", (fake,), "0"))
+    assert assets.planned_installs("fake-target", (installed,)) == [fake]
+    assets.announce_installs("dart-hf demo", "fake-target")
+    err = capsys.readouterr().err
+    assert "no-such-package-dart-hf-test==0.1.0" in err and "about 27 MB" in err and sys.executable in err
+    assert str(tmp_path / "targets" / "fake-target") in err
+    (tmp_path / "targets" / "fake-target").mkdir(parents=True)  # converted: its packages are no longer needed
+    assets.announce_installs("dart-hf demo", "fake-target")
+    assert assets.planned_installs("fake-target") == [] and capsys.readouterr().err == ""
+    sizes = {f.package: f.download_mb for spec in assets.KNOWN_TARGETS.values() for f in spec.parts}
+    assert all(sizes.values()) and assets.SHAREGPT_FILE.download_mb and assets.HUMANEVAL_FILE.download_mb
+
+
 # ---------------------------------------------------------------------------------------------- corpus
 
 

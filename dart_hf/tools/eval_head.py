@@ -25,17 +25,24 @@ import torch
 
 from ..core.modeling import DartHead
 from ..core.tree import TreeSearchParams
-from .assets import cache_dir, eval_prompts, load_target
+from .assets import HUMANEVAL_FILE, SHAREGPT_FILE, announce_installs, cache_dir, eval_prompts, load_target
 from .offline_acceptance import DraftRows, Text, draft_rows, load_texts, mean_accepted_length, reference_texts, save_texts
 
 DATASETS = ("humaneval", "sharegpt")
+
+
+def texts_path(target_name: str, n: int = 20, skip: int = 5, max_new_tokens: int = 128,
+               path: str | Path | None = None) -> Path:
+    """Where `held_out_texts` reads or saves its texts: `path`, else a file in the cache named after the target and
+    sizes."""
+    return Path(path) if path else cache_dir() / "eval_texts" / f"{target_name}-{skip}-{skip + n}-{max_new_tokens}.pt"
 
 
 def held_out_texts(target, tokenizer, target_name: str, n: int = 20, skip: int = 5, max_new_tokens: int = 128,
                    path: str | Path | None = None) -> dict[str, list[Text]]:
     """Plain greedy answers to prompts `skip .. skip + n` of each data set, read from `path` (default: a file in the
     cache named after the target and sizes) or made and saved there."""
-    path = Path(path) if path else cache_dir() / "eval_texts" / f"{target_name}-{skip}-{skip + n}-{max_new_tokens}.pt"
+    path = texts_path(target_name, n, skip, max_new_tokens, path)
     if path.exists():
         return load_texts(path)
     texts = {ds: reference_texts(target, eval_prompts(tokenizer, ds, skip + n)[skip:], max_new_tokens,
@@ -140,6 +147,8 @@ def plot_reports(reports: dict[str, dict], path: str | Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`dart-hf eval-head HEAD [HEAD ...]`: the table on stdout, report.json and depth_agreement.png in --out."""
+    made = texts_path(Path(args.target).name, args.n, args.skip, args.max_new_tokens, args.texts).exists()
+    announce_installs("dart-hf eval-head", args.target, () if made else (HUMANEVAL_FILE, SHAREGPT_FILE))
     target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     texts = held_out_texts(target, tokenizer, Path(args.target).name, args.n, args.skip, args.max_new_tokens,
                            args.texts)

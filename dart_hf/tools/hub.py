@@ -15,6 +15,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -178,18 +179,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve_head_folder(name_or_folder: str | os.PathLike) -> Path:
+    """A head folder: the path itself when it is a folder, else the head shipped with dart_hf of that name (e.g.
+    `smollm2-135m-instruct-dart`, wherever dart_hf is installed); FileNotFoundError naming both otherwise."""
+    folder = Path(name_or_folder).expanduser()
+    if folder.is_dir():
+        return folder
+    from .assets import shipped_head
+
+    try:
+        return shipped_head(str(name_or_folder))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{name_or_folder!r} is neither a folder nor the name of a head shipped with dart_hf "
+                                f"(smollm2-135m-instruct-dart)") from None
+
+
+def export_head(source: str | os.PathLike, out: str | os.PathLike) -> list[str]:
+    """Copy a head (its config, weights, n-gram and card: what `push_head` uploads) into `out` and write `out`'s
+    `custom_generate/`, leaving the source folder untouched. Returns the written paths, relative to `out`."""
+    source, out = resolve_head_folder(source), Path(out)
+    if out.resolve() == source.resolve():
+        return write_custom_generate(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sources = custom_generate_sources()
+    copied = [rel for rel in push_file_list(source) if rel not in sources]
+    for rel in copied:
+        shutil.copy2(source / rel, out / rel)
+    return sorted(copied + write_custom_generate(out))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dart_hf.tools.hub <head folder>...`: regenerate the folders' `custom_generate/` copies."""
-    folders = sys.argv[1:] if argv is None else argv
-    if not folders:
-        print(f"usage: {REGENERATE_COMMAND} [<head folder> ...]", file=sys.stderr)
-        return 2
-    for folder in folders:
-        print(f"{folder}: wrote {len(write_custom_generate(folder))} files")
+    """`python -m dart_hf.tools.hub <head folder>...`: regenerate the folders' `custom_generate/` copies;
+    `python -m dart_hf.tools.hub --out DIR <head folder or shipped head name>`: a self-contained copy in DIR."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dart_hf.tools.hub",
+        description="write custom_generate/ into DART head folders, so that target.generate(..., custom_generate="
+                    "<folder>, trust_remote_code=True) runs DART with transformers alone")
+    parser.add_argument("heads", nargs="+", metavar="HEAD",
+                        help="head folder, or the name of a head shipped with dart_hf (smollm2-135m-instruct-dart)")
+    parser.add_argument("--out", default=None,
+                        help="copy the head (config, weights, n-gram, card) into this folder and write "
+                        "custom_generate/ there, leaving the head's own folder untouched; without it: written into "
+                        "each head folder")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.out is not None and len(args.heads) != 1:
+        parser.error("--out takes one head")
+    try:
+        if args.out is not None:
+            written = export_head(args.heads[0], args.out)
+            print(f"{args.out}: wrote {len(written)} files ({Path(args.out).resolve()})")
+            return 0
+        for name in args.heads:
+            folder = resolve_head_folder(name)
+            print(f"{folder}: wrote {len(write_custom_generate(folder))} files")
+    except (OSError, ValueError) as err:
+        print(f"python -m dart_hf.tools.hub: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
-__all__ = ["custom_generate_sources", "push_file_list", "push_head", "write_custom_generate"]
+__all__ = ["custom_generate_sources", "export_head", "push_file_list", "push_head", "resolve_head_folder",
+           "write_custom_generate"]
 
 
 if __name__ == "__main__":
