@@ -87,6 +87,9 @@ def _bench(sub) -> None:
                    "left-padded batches of B prompts, per B (1: one prompt at a time; prompts per data set: at least "
                    "the largest B)")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="decode with the stored verify-cost curve, or none (as before `dart-hf calibrate`); by default "
+                   "a missing curve is measured first")
     p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
     p.add_argument("--synthetic", action="store_true",
                    help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")

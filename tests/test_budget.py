@@ -577,6 +577,9 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
     head = head_with_ngram(target, texts, node_budget=None)
     script = [7, 7, 0, 3, 0, 1, 1, 0]
     monkeypatch.setattr(loop, "_step_budget", lambda policy, fixed, rows, probe: (script[probe % 8], probe + 1))
+    batched, observe = [], loop._observe_batch  # the steps with more than one active row (one row: its own rule)
+    monkeypatch.setattr(loop, "_observe_batch", lambda policy, trees, step, lengths, budget, *rest: (
+        batched.append(budget), observe(policy, trees, step, lengths, budget, *rest)))
     ids, mask = left_pad(texts, pad_id=2)
     gen = dict(attention_mask=mask, do_sample=False, max_new_tokens=20)
     out = target.generate(ids, assistant_model=head, **gen)
@@ -584,6 +587,8 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
     policy = budget_policy(head, target)
     budgets = head.stats["node_budgets"]
     assert len(budgets) >= 8 and budgets == [script[i % 8] for i in range(len(budgets))]
+    assert len(batched) >= 8 and batched == budgets[: len(batched)]
+    budgets = batched
     assert len(policy.batch_times.scale_all) == min(len(budgets), policy.knobs.batch_window)
     assert all(s > 0 for s in policy.batch_times.scale_all) and all(policy.batch_times.scale[b] for b in set(budgets))
     for b in (1, 3, 7):

@@ -255,6 +255,22 @@ def test_per_token_attentions_or_hidden_states(llama, llama_head, flag):
     assert torch.equal(run(llama, llama_head, **{flag: True}), run(llama, llama_head))
 
 
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_a_head_on_the_meta_device(llama, mode):
+    """A head built or loaded without weights (`init_empty_weights`, device_map="meta") gets dart_hf's message, not
+    torch's "Cannot copy out of meta tensor"."""
+    head = make_head(llama).to("meta")
+    with pytest.raises(ValueError, match="meta device"):
+        run(llama, head, mode=mode)
+
+
+@pytest.mark.parametrize("flag", ["output_hidden_states"])
+def test_hidden_states_in_chain_mode(llama, llama_head, flag):
+    """Chain mode asks the target for the layer inputs its head reads; returning hidden states too is refused."""
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        run(llama, llama_head, mode="chain", return_dict_in_generate=True, **{flag: True})
+
+
 def test_unknown_dart_mode(llama, llama_head):
     with pytest.raises(ValueError, match="dart_mode.*'bogus'"):
         run(llama, llama_head, mode="bogus")

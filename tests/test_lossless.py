@@ -409,7 +409,8 @@ def test_seeded_sampling_across_architectures(tiny_target, plain, arch):
 
 # ------------------------------------------------------------------------------------------------ 4. entry points
 @pytest.mark.parametrize("entry", ["pipeline_built_with_head", "pipeline_built_with_head_folder",
-                                   "pipeline_call_with_head", "custom_generate", "head_across_targets"])
+                                   "pipeline_call_with_head", "custom_generate", "head_across_targets",
+                                   "generate_with_head_folder"])
 def test_entry_points(tiny_target, plain, entry, tmp_path):
     if entry.startswith("pipeline"):
         target, tok = word_target(), stop_word_tokenizer()  # its own: a pipeline may change the generation config
@@ -435,6 +436,13 @@ def test_entry_points(tiny_target, plain, entry, tmp_path):
     if entry == "custom_generate":
         out = llama.generate(ids, custom_generate=dart_hf.dart_decode, dart_head=head, max_new_tokens=20)
         assert torch.equal(out, ref) and head.stats.steps > 0
+        return
+    if entry == "generate_with_head_folder":  # as pipelines take it: a folder (str or Path) or a Hub id
+        head.save_pretrained(tmp_path / "head")
+        for folder in (str(tmp_path / "head"), tmp_path / "head"):
+            stats = dart_hf.DartStats()
+            out = llama.generate(ids, assistant_model=folder, do_sample=False, max_new_tokens=20, dart_stats=stats)
+            assert torch.equal(out, ref) and stats.steps > 0
         return
     other = make_target("llama", seed=5)
     for target in (llama, other, llama):

@@ -3,8 +3,8 @@ runs `tests/tp_worker.py` on tiny Llama- and Qwen3-shaped targets loaded tensor-
 `distributed_config=DistributedConfig(tp_plan="auto")`) and a head loaded from a folder on each rank.
 
 Greedy: every rank's output equals single-process plain `generate` (tree and chain mode, one row and a left-padded
-batch). Sampling: the same seed gives the same ids on every rank. Refused with the same ValueError on every rank: the
-cost-aware budget (tree and chain), ranks with different seeds when sampling, a head that differs across ranks. A rank
+batch, a fixed and the cost-aware budget). Sampling: the same seed gives the same ids on every rank. Refused with the
+same ValueError on every rank: ranks with different seeds when sampling, a head that differs across ranks. A rank
 that fails ends every rank well before the timeout (the launcher ends the ranks waiting in a collective).
 """
 
@@ -93,6 +93,9 @@ def test_greedy_on_every_rank_equals_single_process_plain_generate(tp_run, name)
         for mode in ("tree", "chain"):
             assert [r.get("ids", r.get("error")) for r in res[f"greedy_{mode}"]] == refs[name]["rows"], mode
         assert res["greedy_batch"].get("ids", res["greedy_batch"].get("error")) == refs[name]["batch"]
+        # the cost-aware budget: each rank times its own steps, every rank verifies the first rank's tree size
+        assert [r.get("ids", r.get("error")) for r in res["auto_tree"]] == refs[name]["rows"]
+        assert res["auto_chain"].get("ids", res["auto_chain"].get("error")) == refs[name]["rows"][0]
         assert max(res["accepted"]) > 1.0  # the head drafts tokens the target accepts: DART did run
 
 
@@ -113,8 +116,6 @@ def test_seeded_sampling_is_identical_on_every_rank(tp_run, name):
 def test_what_cannot_run_in_lockstep_is_refused_on_every_rank(tp_run, name):
     ranks, refs, _ = tp_run
     expected = {
-        "refused_auto_tree": "needs a fixed node budget",
-        "refused_auto_chain": "needs a fixed node budget",
         "refused_seed": "the ranks differ in the random generator state",
         "refused_head": "the ranks differ in the head's weights",
     }
@@ -132,8 +133,7 @@ def test_the_bench_runs_in_lockstep_and_rank_0_alone_reports(tp_run):
     for out in ranks:
         b = out["llama"]["bench"]
         assert b["all_equal"] and b["tensor_parallel"] == RANKS
-        assert b["methods"] == ["plain", "prompt_lookup", "dart_chain", "dart_tree_3"]  # cost-aware: left out
-        assert list(b["left_out"]) == ["dart_tree_auto"]
+        assert b["methods"] == ["plain", "prompt_lookup", "dart_chain", "dart_tree_3", "dart_tree_auto"]
     folder = Path(ranks[0]["out"])
     saved = json.loads((folder / "bench_rank0" / "results.json").read_text())
     assert saved["all_equal"] and saved["meta"]["tensor_parallel"] == RANKS

@@ -72,12 +72,12 @@ def test_a_call_prepares_the_head_once_and_leaves_only_declared_state(llama, mod
     """One preparation per call in both modes (`loop.prepare_call`): the head check and the placement run once; the
     placement casts the head in place (the README says so); and the only attributes a call sets on the head are the
     ones `DartHead.__init__` declares (`stats`; `budget_state` stays None with a fixed budget)."""
-    from dart_hf.core import loop
+    from dart_hf.core import checks, loop
     from dart_hf.integrations import custom_generate, transformers as routing
 
     calls = []
     for name in ("check_head_matches_target", "prepare_head"):
-        for module in (loop, routing, custom_generate):
+        for module in (checks, loop, routing, custom_generate):
             if hasattr(module, name):
                 original = getattr(module, name)
                 monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))

@@ -62,12 +62,13 @@ def run_model(spec: dict, case: dict, rank: int) -> dict:
     out["greedy_batch"] = attempt(lambda: dart(batch_ids, batch_mask))
     out["sample_batch"] = attempt(lambda: dart(batch_ids, batch_mask, seed=7))
 
-    # what must be refused on every rank, each followed by nothing: the next case shows the group still works
-    out["refused_auto_tree"] = attempt(lambda: dart(prompts[0], dart_node_budget="auto"))
+    # the cost-aware budget (the shipped heads' default): every rank follows the first rank's choice
+    out["auto_tree"] = [attempt(lambda: dart(ids, dart_node_budget="auto")) for ids in prompts]
     budget = head.config.node_budget
-    head.config.node_budget = None  # a cost-aware head (the shipped heads' default), chain mode
-    out["refused_auto_chain"] = attempt(lambda: dart(prompts[0], dart_mode="chain"))
+    head.config.node_budget = None  # a cost-aware head, chain mode
+    out["auto_chain"] = attempt(lambda: dart(prompts[0], dart_mode="chain"))
     head.config.node_budget = budget
+    # what must be refused on every rank, each followed by nothing: the next case shows the group still works
     out["refused_seed"] = attempt(lambda: dart(prompts[0], seed=1000 + rank))  # a seed per rank: not shared
     other = dart_hf.DartHead.from_pretrained(case["head"]).eval()
     if rank == 1:  # the same folder, then one weight changed on one rank: a head built apart on each rank
@@ -84,8 +85,7 @@ def run_model(spec: dict, case: dict, rank: int) -> dict:
         results = bench.run_bench(target, head, {"x": prompts}, max_new_tokens=n, methods=methods,
                                   out_dir=os.path.join(spec["out"], f"bench_rank{rank}"), progress=False)
         out["bench"] = {"all_equal": results["all_equal"], "methods": list(results["methods"]),
-                        "tensor_parallel": results["meta"].get("tensor_parallel"),
-                        "left_out": results["meta"].get("left_out")}
+                        "tensor_parallel": results["meta"].get("tensor_parallel")}
     return out
 
 

@@ -55,7 +55,7 @@ def check_call(model, head, input_ids: torch.Tensor, generation_config: Generati
 
 
 # What `generate` hands the decoding method besides input_ids that this loop honours (position ids: the ones
-# `generate` derives itself, `_default_positions`; the output flags: `_check_model_inputs`)
+# `generate` derives itself, `_default_positions`; the output flags: `check_model_inputs`)
 MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
                           "position_ids", "output_attentions", "output_hidden_states"})
 

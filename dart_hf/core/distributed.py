@@ -12,12 +12,11 @@ fails or hangs. Greedy decoding with a fixed node budget does that by constructi
 - for sampling, the random state (the same `torch.manual_seed` on every rank before the call).
 
 `check_tensor_parallel_call` checks those cheaply (one small `all_gather` per call: a digest of the head, cached
-while its tensors are unchanged, and a digest of the generator state when sampling) and refuses what cannot work:
-the cost-aware node budget (`dart_node_budget="auto"`, the default of heads whose `node_budget` is None) chooses
-each step's tree size from the step's measured wall time, which differs from rank to rank, so the ranks would run
-different tree sizes (measured: the second call of a 2-rank gloo run failed inside a collective). Every rank takes
-part in the same collective and decides from the same gathered values, so a refusal is raised on every rank, never
-on one rank while another waits in the next forward.
+while its tensors are unchanged, and a digest of the generator state when sampling). Every rank takes part in the
+same collective and decides from the same gathered values, so a refusal is raised on every rank, never on one rank
+while another waits in the next forward. The cost-aware node budget chooses each step's tree size from the step's
+measured wall time, which differs from rank to rank (unshared, the second call of a 2-rank gloo run failed inside a
+collective): `shared_budget` hands every rank the first rank's choice, one tiny broadcast per step.
 
 Nothing happens (not even an import of `torch.distributed` state beyond `is_initialized`) for a target that is not
 tensor-parallel, so single-process decoding pays nothing.
@@ -103,14 +102,16 @@ def check_tensor_parallel_call(head, target, *, mode: str, batch_size: int, node
             "same torch.manual_seed; otherwise their target forwards would differ and the collectives inside them "
             "would fail or hang. See docs/TENSOR_PARALLEL.md."
         )
-    if auto:
-        raise ValueError(
-            f"DART on a tensor-parallel target (rank {rank} of {len(rows)}) needs a fixed node budget: the "
-            "cost-aware budget (dart_node_budget=\"auto\", the default of a head whose node_budget is None) chooses "
-            "each step's tree size from that rank's measured step time, so the ranks would verify trees of "
-            "different sizes and their collectives would fail or hang. Pass dart_node_budget=<int> (tree mode) or "
-            "set head.config.node_budget = <int> (both modes); docs/TENSOR_PARALLEL.md."
-        )
+
+
+def shared_budget(group, budget: int, target) -> int:
+    """The node budget the first rank of `group` chose (`budget` itself without a group): every rank verifies a tree
+    of the same size, whatever its own step timings would have chosen."""
+    if group is None:
+        return budget
+    value = torch.tensor([int(budget)], dtype=torch.int64, device=_collective_device(group, target))
+    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    return int(value.item())
 
 
 def head_digest(head) -> list[int]:
@@ -181,12 +182,17 @@ def _rng_digest(target) -> int:
 
 def _all_gather(mine: torch.Tensor, group, target) -> list[list[int]]:
     """Every rank's `mine`, in rank order, on every rank (gloo: CPU tensors; nccl: the target's CUDA device)."""
-    backend = str(dist.get_backend(group))
-    device = target.device if ("nccl" in backend and target.device.type == "cuda") else torch.device("cpu")
-    mine = mine.to(device)
+    mine = mine.to(_collective_device(group, target))
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
     return [r.tolist() for r in rows]
 
 
-__all__ = ["check_tensor_parallel_call", "head_digest", "is_tensor_parallel", "tensor_parallel_group"]
+def _collective_device(group, target) -> torch.device:
+    """Where a collective's tensors live: the target's CUDA device for nccl, the CPU for gloo."""
+    backend = str(dist.get_backend(group))
+    return target.device if ("nccl" in backend and target.device.type == "cuda") else torch.device("cpu")
+
+
+__all__ = ["check_tensor_parallel_call", "head_digest", "is_tensor_parallel", "shared_budget",
+           "tensor_parallel_group"]

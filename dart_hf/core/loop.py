@@ -38,7 +38,7 @@ from .batch_budget import batch_budget
 from .budget import BudgetPolicy, budget_policy, path_ranks
 from .checks import (call_cache, check_call, check_model_inputs, check_padding, check_processors, is_batch,
                      prepare_call)
-from .distributed import check_tensor_parallel_call
+from .distributed import check_tensor_parallel_call, shared_budget, tensor_parallel_group
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .ragged import RaggedCache
@@ -111,6 +111,7 @@ def dart_decode(
         dart_streamer.put(input_ids.cpu())
 
     aux_ids = head.config.aux_layer_ids
+    tp_group = tensor_parallel_group(model) if policy is not None else None  # ranks share the cost-aware choice
     with timer.phase("prefill"):
         raw, processed, first, aux = _prefill(model, input_ids, attention_mask, mask, cache, logits_processor,
                                               do_sample, aux_ids)
@@ -129,6 +130,7 @@ def dart_decode(
     while active:
         single = policy is not None and len(active) == 1  # the single-row rule times whole steps
         budget, probe = _step_budget(policy, node_budget, len(active), probe)
+        budget = shared_budget(tp_group, budget, model)
         if single:
             policy.start()
         drafted = _drafting_seconds(timer)

@@ -36,7 +36,7 @@ from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..core.distributed import check_tensor_parallel_call
+from ..core.distributed import check_tensor_parallel_call, shared_budget, tensor_parallel_group
 from ..core.drafter import DartDrafter, default_node_budget, draft_depth
 from ..core.checks import check_processors, prepare_call
 from ..core.loop import dart_decode
@@ -144,7 +144,7 @@ def _chain_generate(model, head: DartHead, args, kwargs):
     config = kwargs.get("generation_config") or model.generation_config
     check_tensor_parallel_call(placed, model, mode="chain", batch_size=1,
                                do_sample=bool(kwargs.get("do_sample", config.do_sample)))
-    budget = default_node_budget(head, model)
+    budget = shared_budget(tensor_parallel_group(model), default_node_budget(head, model), model)
     stats.reset(mode="chain", budget_mode="auto" if head.config.node_budget is None else "fixed", node_budget=budget)
     token = _CHAIN_CALL.set(_ChainCall(placed, stats, budget))
     try:

@@ -58,6 +58,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from ..core.cost import load_curve
 from ..core.distributed import tensor_parallel_group
 from .assets import shipped_head
 
@@ -177,17 +178,21 @@ def run_bench(
     runs: int = 1,
     load: int = 0,
     batch_sizes: list[int] | None = None,
+    calibrate: bool = True,
 ) -> dict:
     """Run every method on every prompt, `runs` times; returns (and, with `out_dir`, writes) the results.
 
     `prompts` maps a data set name to `[1, T]` id tensors. The first method must be "plain": the reference.
     `load`: busy-loop processes running beside the methods (`CompetingLoad`), 0 for none.
+    `calibrate`: measure the verify-cost curve first when none is stored (False: decode with what is stored, as a
+    user who never ran `dart-hf calibrate` does).
     `batch_sizes`: None or [1] for the single-row bench; otherwise the batched bench (`_batch_pass`): for each batch
     size B the prompts go in left-padded batches of B, and the results are per data set and batch size
     (`results["batches"]`).
-    A tensor-parallel target (every rank calls this with the same arguments): the cost-aware methods are left out
-    (`results["meta"]["left_out"]`), and only rank 0 shows progress, runs the competing load and writes `out_dir`;
-    every rank returns its own results (rank 0's are the ones to report).
+    A tensor-parallel target (every rank calls this with the same arguments): no curve is measured (each rank's
+    measurement would decide its own sizes and retries; the cost-aware methods use a stored curve or none, and every
+    rank follows the first rank's choices, `core.distributed.shared_budget`), and only rank 0 shows progress, runs
+    the competing load and writes `out_dir`; every rank returns its own results (rank 0's are the ones to report).
     """
     batched = batch_sizes is not None and list(batch_sizes) != [1]
     if batched and (not batch_sizes or min(batch_sizes) < 1):
@@ -196,10 +201,8 @@ def run_bench(
     if not methods or methods[0].name != "plain":
         raise ValueError("the first bench method must be 'plain' (the reference outputs are compared with)")
     ranks = tensor_parallel_ranks(target)
-    if ranks is not None:  # a tensor-parallel target refuses the cost-aware budget (`core.distributed`)
-        left_out = {m.name: "a tensor-parallel target needs a fixed node budget" for m in methods if _cost_aware(m)}
-        methods = [m for m in methods if m.name not in left_out]
-        meta = {**(meta or {}), "tensor_parallel": ranks[1], "left_out": left_out}
+    if ranks is not None:
+        calibrate, meta = False, {**(meta or {}), "tensor_parallel": ranks[1]}
         if ranks[0] != 0:  # rank 0 reports; the others run the same calls in lockstep
             progress, out_dir, load = False, None, 0
     device = target.device
@@ -209,9 +212,9 @@ def run_bench(
         gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
     curve = None
     if any(_cost_aware(m) for m in methods):
-        from .calibrate import calibrate  # the cost-aware budget reads the curve; measure it outside timing
+        from .calibrate import calibrate as measure  # the cost-aware budget reads the curve; measure outside timing
 
-        curve, _ = calibrate(target, verbose=progress)
+        curve = measure(target, verbose=progress)[0] if calibrate else load_curve(target)
     if batched:
         return _run_batched(target, head, prompts, methods, gen, sorted(set(batch_sizes)), out_dir, warmup, progress,
                             meta, runs, load, curve)
@@ -554,10 +557,7 @@ def _report_head(results: dict) -> list[str]:
     if meta.get("competing_load"):
         lines += [f"Under a competing load of {meta['competing_load']} busy-loop process(es) for the whole bench.", ""]
     if meta.get("tensor_parallel"):
-        lines += [f"Tensor-parallel target over {meta['tensor_parallel']} ranks (torchrun); rank 0's wall times."
-                  + "".join(f" {name} left out: {why}." for name, why in meta.get("left_out", {}).items())
-                  + (f" Chain mode at node budget {meta['chain_node_budget']} (the head's is cost-aware)."
-                     if "chain_node_budget" in meta else ""), ""]
+        lines += [f"Tensor-parallel target over {meta['tensor_parallel']} ranks (torchrun); rank 0's wall times.", ""]
     return lines
 
 
@@ -907,12 +907,10 @@ def main(args: argparse.Namespace) -> int:
         print("dart-hf bench: error: --runs must be >= 1 and --load >= 0", file=sys.stderr)
         return 2
     meta = {"head": head_path, "target_name": args.target}
-    if ranks is not None and head.config.node_budget is None:  # chain mode reads the head's budget: a fixed one
-        head.config.node_budget = args.budget[0]
-        meta["chain_node_budget"] = args.budget[0]
     results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
                         out_dir=args.out, warmup=not args.no_warmup, meta=meta, runs=args.runs,
-                        load=args.load or 0, batch_sizes=None if batch_sizes == [1] else batch_sizes)
+                        load=args.load or 0, batch_sizes=None if batch_sizes == [1] else batch_sizes,
+                        calibrate=not args.no_calibrate)
     if not report:
         return 0 if results["all_equal"] else MISMATCH_EXIT
     print(markdown_report(results))
