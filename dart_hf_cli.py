@@ -72,7 +72,8 @@ def _bench(sub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="target dtype")
     p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
     p.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS), help="prompt sets")
-    p.add_argument("--n", type=int, default=5, help="prompts per data set")
+    p.add_argument("--n", "--num-prompts", dest="n", type=int, default=5,
+                   help="prompts per data set (under torchrun write --num-prompts: its launcher takes --n for its own)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--budget", type=int, nargs="+", default=[60],
                    help="fixed node budget(s) of the fixed-tree methods dart_tree_<budget>")
