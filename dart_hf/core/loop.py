@@ -119,6 +119,7 @@ def dart_decode(
             left = rows.lefts[b]
             drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]))
     ragged = RaggedCache(cache, mask.bool(), model.config)
+    ragged_rows = len(rows) > 1 or any(rows.lefts)  # else one row without holes: nothing to compact, ever
     active = list(range(len(rows)))
     one = torch.ones(len(rows), dtype=torch.long, device=input_ids.device)
     step = BatchAccepted(paths=torch.zeros_like(one).unsqueeze(1), lengths=one, tokens=first.unsqueeze(1),
@@ -164,7 +165,8 @@ def dart_decode(
         drafted_before = budget > 0
         stats.record_step(n_new, budget)
         active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
-        ragged.compact()
+        if ragged_rows:
+            ragged.compact()
         out_stream.flush(active)
 
     total = final_length(rows, pad_finished)
@@ -174,7 +176,7 @@ def dart_decode(
     if dart_streamer is not None:
         dart_streamer.end()
     stats.node_budget = policy.choice if policy is not None and len(rows) == 1 else budget  # the latest choice
-    return result(rows, total, pad_id, config, keep, cache=None if len(rows) > 1 or ragged.holes else cache)
+    return result(rows, total, pad_id, config, keep, cache=None if ragged_rows else cache)
 
 
 def _budget(head: DartHead, model, requested, use_lookup: bool, state) -> tuple[BudgetPolicy | None, int]:

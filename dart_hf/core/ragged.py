@@ -65,11 +65,6 @@ class RaggedCache:
         """T: slots per row."""
         return self.valid.shape[1]
 
-    @property
-    def holes(self) -> bool:
-        """Whether any row has a hole (then the cache is not one that plain decoding would hold)."""
-        return not bool(self.valid.all())
-
     # ------------------------------------------------------------------------------------------ the verify forward
     def positions(self, trees: TreeBatch) -> torch.Tensor:
         """[rows, N]: node i of row r sits at next_pos[r] + depth (padding nodes: at next_pos[r])."""

@@ -114,7 +114,7 @@ def prepare_head(head: nn.Module, target: PreTrainedModel) -> nn.Module:
         if weight.device == device and weight.dtype == dtype:
             head._dart_placed = True
             return head
-        if not getattr(head, "_dart_placed", False):
+        if not head._dart_placed:
             head._dart_placed = True
             return head.to(device=device, dtype=dtype)
         copies = head._placed_copies
