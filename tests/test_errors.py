@@ -115,15 +115,18 @@ def test_num_beams_above_one(llama, llama_head):
         run(llama, llama_head, num_beams=2)
 
 
-def test_static_cache_requested(llama, llama_head):
-    with pytest.raises(ValueError, match="static"):
-        run(llama, llama_head, cache_implementation="static")
+def test_other_cache_implementation_requested(llama, llama_head):
+    with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported"):
+        run(llama, llama_head, cache_implementation="offloaded")
 
 
-def test_static_cache_object_passed_in(llama, llama_head):
+def test_prefilled_static_cache_passed_in(llama, llama_head):
+    ids = prompts(1, seed=5)[0]
     cache = StaticCache(config=llama.config, max_cache_len=64)
-    with pytest.raises(ValueError, match="static"):
-        run(llama, llama_head, cache=cache)
+    with torch.no_grad():
+        llama(ids[:, :-1], cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="empty StaticCache"):
+        run(llama, llama_head, ids, cache=cache)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")

@@ -46,10 +46,10 @@ def check_call(model, head, input_ids: torch.Tensor, generation_config: Generati
     # error would blame the wrong argument
     if generation_config.num_beams != 1 or generation_config.num_return_sequences != 1:
         raise ValueError("DART decoding supports num_beams=1 and num_return_sequences=1")
-    if generation_config.cache_implementation not in (None, "dynamic"):
+    if generation_config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(
-            f"DART decoding needs a DynamicCache (tree entries are compacted in place); "
-            f"cache_implementation={generation_config.cache_implementation!r} is not supported"
+            f"DART decoding runs a DynamicCache (tree entries are compacted in place) or a StaticCache (the compiled "
+            f"step); cache_implementation={generation_config.cache_implementation!r} is not supported"
         )
     check_tree_target(model)
 

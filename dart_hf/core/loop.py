@@ -42,6 +42,7 @@ from .distributed import check_tensor_parallel_call, shared_budget, tensor_paral
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .ragged import RaggedCache
+from .static_step import StaticStep, static_call
 from .rows import ColumnStream, RowProcessor, Rows, final_length, result, scores_after_stop
 from .stats import DartStats, PhaseTimer
 from .stopping import fast_criteria, first_stop, first_stops
@@ -88,10 +89,17 @@ def dart_decode(
                                do_sample=bool(generation_config.do_sample))
     check_model_inputs(model, input_ids, model_kwargs, generation_config)  # after the head / target checks
     check_padding(attention_mask)
-    cache = call_cache(model, model_kwargs)
     prompt_lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
     policy, node_budget = _budget(head, model, dart_node_budget, prompt_lookup, dart_budget_state)
+    static, cache, static_reason = static_call(model, head, input_ids, attention_mask, generation_config,
+                                               model_kwargs, policy, node_budget, prompt_lookup)
+    if static is not None:  # one fixed budget for the call (the policy's current choice for "auto")
+        policy, node_budget = None, static.spec.params.node_budget
+    elif cache is None:
+        cache = call_cache(model, model_kwargs)
     stats.reset(mode="tree", budget_mode="auto" if policy else "fixed", node_budget=node_budget)
+    stats.static, stats.compiled, stats.static_reason = static is not None, bool(static and static.compile_options), \
+        static_reason
     timer = PhaseTimer(stats.time, head.device, dart_timing)
 
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
@@ -103,7 +111,7 @@ def dart_decode(
     do_sample = bool(config.do_sample)
     greedy = not do_sample and len(logits_processor) == 0
     ngram = head.ngram.to(head.device) if head.ngram is not None else None  # one copy for every row
-    drafters = {b: DartDrafter(head, model, max_length=config.max_length, node_budget=node_budget,
+    drafters = {} if static is not None else {b: DartDrafter(head, model, max_length=config.max_length, node_budget=node_budget,
                                prompt_lookup=prompt_lookup, eos_token_ids=config._eos_token_tensor, ngram=ngram)
                 for b in range(len(rows))}
     out_stream = ColumnStream(dart_streamer, rows, pad_id)
@@ -118,6 +126,8 @@ def dart_decode(
         for b, drafter in drafters.items():
             left = rows.lefts[b]
             drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]))
+        if static is not None:
+            static.start(input_ids, aux, first)
     ragged = RaggedCache(cache, mask.bool(), model.config)
     ragged_rows = len(rows) > 1 or any(rows.lefts)  # else one row without holes: nothing to compact, ever
     active = list(range(len(rows)))
@@ -128,6 +138,13 @@ def dart_decode(
     active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
     out_stream.flush(active)
     probe, budget, drafted_before, single = 0, node_budget, False, False
+    while static is not None and active:  # the fixed-shape step (`static_step`): one row, one budget
+        step = static.step(rows.seqs[0], logits_processor, do_sample, greedy and not keep, timer)
+        with timer.phase("accept"):
+            n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
+        stats.record_step(n_new, node_budget)
+        active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+        out_stream.flush(active)
     while active:
         single = policy is not None and len(active) == 1  # the single-row rule times whole steps
         budget, probe = _step_budget(policy, node_budget, len(active), probe)

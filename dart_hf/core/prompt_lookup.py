@@ -16,32 +16,36 @@ import torch
 
 
 def lookup_continuation(
-    context: torch.Tensor, length: int, min_ngram: int = 2, max_ngram: int = 4
+    context: torch.Tensor, length: int, min_ngram: int = 2, max_ngram: int = 4, used: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [length], valid [length]): the `length` tokens that followed the latest earlier occurrence of the
-    longest n-gram (max_ngram down to min_ngram) that `context` [T] ends with; `valid` is False past the end of
-    the context or everywhere when nothing matches."""
+    longest n-gram (max_ngram down to min_ngram) that the text ends with; `valid` is False past the end of the text
+    or everywhere when nothing matches. The text is `context` [T], or its first `used` tokens (a 0-d tensor: the
+    compiled step's fixed-size text buffer, where every shape stays T)."""
     t = context.numel()
     device = context.device
+    end = torch.tensor(t, device=device) if used is None else used
     start = torch.full((), -1, dtype=torch.long, device=device)
     for n in range(min_ngram, max_ngram + 1):  # a longer match overrides a shorter one
         if t <= n:
             break
-        windows = context.unfold(0, n, 1)[:-1]  # every n-gram that starts before the final one
-        hit = (windows == context[t - n :]).all(dim=1)
-        latest = torch.where(hit, torch.arange(hit.numel(), device=device), -1).max()
+        windows = context.unfold(0, n, 1)  # every n-gram; those starting before the final one count
+        ending = context.index_select(0, (end - n + torch.arange(n, device=device)).clamp(min=0))
+        index = torch.arange(windows.shape[0], device=device)
+        hit = (windows == ending).all(dim=1) & (index < end - n)
+        latest = torch.where(hit, index, -1).max()
         start = torch.where(latest >= 0, latest + n, start)
     index = start + torch.arange(length, device=device)
-    valid = (start >= 0) & (index < t)
+    valid = (start >= 0) & (index < end)
     return context[index.clamp(0, max(t - 1, 0))], valid
 
 
 def lookup_for_tree(
-    context: torch.Tensor, length: int, config, device: torch.device
+    context: torch.Tensor, length: int, config, device: torch.device, used: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`lookup_continuation` with a head config's n-gram range, on the head's device: the `lookup` argument of
     `dart_hf.core.tree.build_tree`."""
-    tokens, valid = lookup_continuation(context, length, config.lookup_min_ngram, config.lookup_max_ngram)
+    tokens, valid = lookup_continuation(context, length, config.lookup_min_ngram, config.lookup_max_ngram, used)
     return tokens.to(device), valid.to(device)
 
 

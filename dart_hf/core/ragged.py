@@ -47,6 +47,23 @@ def decode_cache(config, cache: DynamicCache | None = None) -> DynamicCache:
     return cache
 
 
+def backend_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
+    """`visible` [rows, N, KV] (query i may attend to key slot j) in the form the target's attention backend takes as
+    its `attention_mask`: bool [rows, 1, N, KV] for SDPA, 0 / -inf of `dtype` for eager, a BlockMask for FlexAttention."""
+    rows, n, kv = visible.shape
+    if attn_implementation == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return visible[b, q_idx, kv_idx]
+
+        return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=n, KV_LEN=kv, device=visible.device)
+    visible = visible.unsqueeze(1)
+    if attn_implementation == "sdpa":
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
 class RaggedCache:
     """A `DynamicCache` over the call's active rows, with per-row slot validity and next positions."""
 
@@ -99,21 +116,7 @@ class RaggedCache:
             node_pos = self.positions(trees)  # [rows, N]
             committed = committed & (node_pos.unsqueeze(2) - slot_pos.unsqueeze(1) < window)
             in_tree = in_tree & (trees.depths.unsqueeze(2) - trees.depths.unsqueeze(1) < window)
-        visible = torch.cat([committed, in_tree], dim=2)
-        if attn_implementation == "flex_attention":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return visible[b, q_idx, kv_idx]
-
-            return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=n, KV_LEN=self.length + n,
-                                     device=visible.device)
-        visible = visible.unsqueeze(1)
-        if attn_implementation == "sdpa":
-            return visible
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-            ~visible, torch.finfo(dtype).min
-        )
+        return backend_mask(torch.cat([committed, in_tree], dim=2), attn_implementation, dtype)
 
     # ------------------------------------------------------------------------------------------ after acceptance
     def commit(self, paths: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -27,7 +27,10 @@ class DartStats:
     step (0: a plain decoding step, no head forward and no tree).
     time: seconds per phase. Tree mode: prefill, draft (head forward), tree (search), verify (target forward),
     accept (acceptance + cache compaction). Chain mode: prefill, draft, tree, verify (transformers' target forward
-    and acceptance, timed from the proposal to the next `update_candidate_strategy`).
+    and acceptance, timed from the proposal to the next `update_candidate_strategy`). The static greedy step is one
+    captured function: its time is "step" (draft + tree + verify + accept + commit).
+    static / compiled: whether the call ran the fixed-shape step (`cache_implementation="static"`), and whether
+    compiled; static_reason: why a call that asked for a static cache ran the eager loop instead.
     """
 
     mode: str = "tree"
@@ -38,6 +41,9 @@ class DartStats:
     node_budgets: list[int] = field(default_factory=list)
     budget_mode: str = "fixed"
     time: dict[str, float] = field(default_factory=dict)
+    static: bool = False
+    compiled: bool = False
+    static_reason: str | None = None
 
     @property
     def mean_accepted_length(self) -> float:

@@ -178,6 +178,7 @@ def build_tree(
     eos_token_ids: torch.Tensor | None = None,
     max_depth: int | None = None,
     lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fixed_size: bool = False,
 ) -> DraftTree:
     """Beam-search a draft tree.
 
@@ -185,7 +186,9 @@ def build_tree(
     token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
     last `ngram.context_size` are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
     max_depth caps the depth (so no node lies past max_new_tokens). lookup: (tokens [>= D], valid [>= D]) from
-    `dart_hf.core.prompt_lookup.lookup_continuation`, or None.
+    `dart_hf.core.prompt_lookup.lookup_continuation`, or None. fixed_size: always node_budget + 1 nodes (the
+    compiled step's static shapes): a placeholder lookup column (score -inf, ranked last) then fills a tree whose pool
+    has fewer real candidates than the budget; verifying it is harmless (its token is checked like any other).
     """
     device = draft_logits.device
     # The best B nodes are closed under ancestors and outrank every other node of their depth, so beams wider than
@@ -249,7 +252,8 @@ def build_tree(
     tokens, parents = torch.cat(pool_tokens), torch.cat(pool_parents)
     depths, scores = torch.cat(pool_depths), torch.cat(pool_scores)
     chosen = _ranked(scores[1:], None)[: min(budget, pool_size - 1)] + 1
-    chosen = chosen[torch.isfinite(scores[chosen])]  # never a placeholder (-inf) lookup column
+    if not fixed_size:  # never a placeholder (-inf) lookup column
+        chosen = chosen[torch.isfinite(scores[chosen])]
     chosen = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen.sort().values])
     # pool indices grow with depth, so sorting keeps parents before children; remap parents to tree indices
     tree_index = torch.full((pool_size,), -1, dtype=torch.long, device=device)

@@ -1,0 +1,212 @@
+"""The static-cache step (`cache_implementation="static"`, `dart_hf.core.static_step`): lossless against plain
+`generate` (greedy token for token, seeded sampling the same text), fixed shapes that `torch.compile` captures whole
+(fullgraph, no recompilation across steps and calls), one host sync per greedy step, and the calls it cannot take
+running the eager loop with the reason in the stats.
+
+Capture tests use dynamo with the "eager" backend (the graph is captured and checked, not code-generated: seconds, not
+minutes); one test runs inductor on a tiny target, and the SmolLM2 tests (slow) run inductor on the real target.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.overrides import TorchFunctionMode
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import CompileConfig
+
+import dart_hf
+from conftest import make_head, make_target, prompts, sliding_target
+from dart_hf.core import static_step
+
+STATIC = dict(cache_implementation="static", disable_compile=True)  # the fixed-shape step, run eagerly
+
+
+def compile_config(backend: str = "eager") -> CompileConfig:
+    """What a CPU user passes to compile (transformers compiles on CUDA only unless told otherwise)."""
+    config = CompileConfig(backend=backend, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    target = make_target("qwen3")
+    return target, make_head(target)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("budget", [1, 3, 12])
+def test_static_step_greedy_equals_plain(arch, budget):
+    target = make_target(arch)
+    head = make_head(target)
+    accepted = []
+    for ids in prompts(4, seed=budget):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=30)
+        ref_static = target.generate(ids, do_sample=False, max_new_tokens=30, **STATIC)
+        assert torch.equal(ref, ref_static)
+        stats = dart_hf.DartStats()
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=30, dart_node_budget=budget,
+                              dart_stats=stats, **STATIC)
+        assert torch.equal(out, ref)
+        assert stats.static and not stats.compiled and stats.static_reason is None
+        assert set(stats.node_budgets) == {budget}
+        accepted.append(stats.mean_accepted_length)
+    assert max(accepted) > 1.0  # drafts were accepted: the tree and commit paths ran, not only the root
+
+
+def test_static_step_drafts_what_the_eager_loop_drafts(llama, llama_head):
+    """Same trees, step for step: the accepted lengths of the fixed-shape step equal the eager loop's (n-gram-free
+    head with prompt lookup, so the lookup over the fixed-size text buffer is exercised too)."""
+    for ids in prompts(4, seed=7):
+        lengths = []
+        for extra in ({}, STATIC):
+            stats = dart_hf.DartStats()
+            llama.generate(ids, assistant_model=llama_head, do_sample=False, max_new_tokens=40, dart_node_budget=6,
+                           dart_prompt_lookup=True, dart_stats=stats, **extra)
+            lengths.append(stats.accepted_lengths)
+        assert lengths[0] == lengths[1]
+
+
+def test_static_step_stops_scores_and_processors_as_plain(llama, llama_head):
+    """EOS inside an accepted path, max_length, output_scores and a repetition penalty (the eager acceptance walk
+    between the step's parts)."""
+    for ids in prompts(3, seed=11):
+        ref = llama.generate(ids, do_sample=False, max_new_tokens=25, eos_token_id=[5, 9, 17],
+                             repetition_penalty=1.3, output_scores=True, return_dict_in_generate=True)
+        out = llama.generate(ids, assistant_model=llama_head, do_sample=False, max_new_tokens=25,
+                             eos_token_id=[5, 9, 17], repetition_penalty=1.3, output_scores=True,
+                             return_dict_in_generate=True, dart_node_budget=5, **STATIC)
+        assert torch.equal(out.sequences, ref.sequences)
+        assert len(out.scores) == len(ref.scores)
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_static_step_seeded_sampling_gives_plain_text():
+    target = make_target("llama")
+    with torch.no_grad():
+        target.lm_head.weight.div_(4.0)  # a soft distribution: many outcomes
+    head = make_head(target)
+    for seed, ids in enumerate(prompts(3, seed=5)):
+        kw = dict(do_sample=True, temperature=0.8, top_k=20, max_new_tokens=24)
+        torch.manual_seed(seed)
+        ref = target.generate(ids, **kw)
+        torch.manual_seed(seed)
+        out = target.generate(ids, assistant_model=head, dart_node_budget=6, **kw, **STATIC)
+        assert torch.equal(out, ref)
+
+
+def test_calls_the_static_step_cannot_take_run_the_eager_loop_and_say_why(llama, llama_head):
+    # a batch
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    stats = dart_hf.DartStats()
+    out = llama.generate(ids, assistant_model=llama_head, do_sample=False, max_new_tokens=12, dart_stats=stats,
+                         **STATIC)
+    assert torch.equal(out, llama.generate(ids, do_sample=False, max_new_tokens=12))
+    assert not stats.static and "one unpadded row" in stats.static_reason
+    # sliding-window layers
+    target = sliding_target("mistral")
+    head = make_head(target)
+    ids = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_stats=stats,
+                          eos_token_id=None, **STATIC)
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None))
+    assert not stats.static and "sliding-window" in stats.static_reason
+    # node budget 0 (plain decoding) and a text past the context
+    stats = dart_hf.DartStats()
+    llama.generate(ids, assistant_model=llama_head, max_new_tokens=5, dart_node_budget=0, dart_stats=stats, **STATIC)
+    assert "node budget 0" in stats.static_reason
+    llama.generate(ids, assistant_model=llama_head, max_length=300, dart_stats=stats, **STATIC)
+    assert "past the target's context" in stats.static_reason
+
+
+def test_a_dynamic_call_reports_no_static_step(llama, llama_head):
+    stats = dart_hf.DartStats()
+    llama.generate(torch.tensor([[5, 6, 7]]), assistant_model=llama_head, max_new_tokens=5, dart_stats=stats)
+    assert not stats.static and not stats.compiled and stats.static_reason is None
+
+
+# ------------------------------------------------------------------------------------------------ the captured step
+def test_step_is_one_graph_with_no_recompilation_across_steps_and_calls(qwen3):
+    """fullgraph=True (a graph break raises), and after the first capture, every further step of this call and of
+    calls with other prompts runs the same graph (cache lengths are rounded: nearby lengths share it)."""
+    target, head = qwen3
+    config = compile_config()
+    first = prompts(1, seed=20)[0]
+    stats = dart_hf.DartStats()
+    target.generate(first, assistant_model=head, do_sample=False, max_new_tokens=8, dart_node_budget=4,
+                    cache_implementation="static", compile_config=config, dart_stats=stats)
+    assert stats.compiled and stats.static
+    graphs = counters["stats"]["unique_graphs"]
+    steps = 0
+    for ids in prompts(3, seed=21):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=40)
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=40, dart_node_budget=4,
+                              cache_implementation="static", compile_config=config, dart_stats=stats)
+        assert torch.equal(out, ref)
+        steps += stats.steps
+    assert steps >= 20
+    assert counters["stats"]["unique_graphs"] == graphs, "a step was captured again (recompilation)"
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts the tensor operations that read a value back to the host (on a GPU: a sync each): value reads, and
+    copies from a non-CPU device to the CPU (none can happen on this machine's CPU tensors)."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        copy = name in ("to", "cpu") and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
+        if name in self.READS or copy:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_greedy_step_reads_back_once_and_hands_the_loop_host_tensors(qwen3, monkeypatch):
+    target, head = qwen3
+    reads, returned = [], []
+    step = static_step.StaticStep.step
+
+    def counted(self, *args, **kwargs):
+        with HostSyncs() as mode:
+            result = step(self, *args, **kwargs)
+        reads.append(mode.reads)
+        returned.append(result)
+        return result
+
+    monkeypatch.setattr(static_step.StaticStep, "step", counted)
+    ids = prompts(1, seed=30)[0]
+    target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=30, dart_node_budget=4,
+                    cache_implementation="static", compile_config=compile_config())
+    assert len(reads) >= 5
+    assert all(r == ["tolist"] for r in reads), reads[:3]
+    assert all(t.device.type == "cpu" for r in returned for t in (r.tokens, r.lengths))
+
+
+def test_inductor_compiled_step_equals_plain_and_plain_compiled(qwen3):
+    """The real compiler (inductor, C++ on this CPU): greedy output equals plain eager and plain static+compiled."""
+    target, head = qwen3
+    config = compile_config("inductor")
+    for ids in prompts(2, seed=40):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=24)
+        compiled_plain = target.generate(ids, do_sample=False, max_new_tokens=24, cache_implementation="static",
+                                         compile_config=config)
+        stats = dart_hf.DartStats()
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=24, dart_node_budget=6,
+                              cache_implementation="static", compile_config=config, dart_stats=stats)
+        assert stats.compiled
+        assert torch.equal(compiled_plain, ref) and torch.equal(out, ref)
+
+
+def test_static_call_leaves_the_generation_config_alone(llama, llama_head):
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, cache_implementation="static", disable_compile=True)
+    before = config.to_dict()
+    llama.generate(torch.tensor([[4, 5, 6]]), assistant_model=llama_head, generation_config=config)
+    assert config.to_dict() == before
