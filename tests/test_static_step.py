@@ -210,3 +210,15 @@ def test_static_call_leaves_the_generation_config_alone(llama, llama_head):
     before = config.to_dict()
     llama.generate(torch.tensor([[4, 5, 6]]), assistant_model=llama_head, generation_config=config)
     assert config.to_dict() == before
+
+
+def test_dart_timing_captures_the_parts_and_times_them(qwen3):
+    """dart_timing=True: draft (head + tree search), verify and accept captured one by one and timed; same text."""
+    target, head = qwen3
+    ids = prompts(1, seed=50)[0]
+    stats = dart_hf.DartStats()
+    out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=20, dart_node_budget=4,
+                          cache_implementation="static", compile_config=compile_config(), dart_timing=True,
+                          dart_stats=stats)
+    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=20))
+    assert stats.compiled and {"draft", "verify", "accept"} <= set(stats.time) and "step" not in stats.time

@@ -15,7 +15,7 @@ path length) and three host syncs, so it cannot be captured. Here every shape is
   the accepted length and tokens come back to the host in ONE copy per step (`StaticStep.step`).
 
 Sampling and logits processors keep the eager acceptance walk (one draw per emitted token, as plain `generate`, so the
-same seed gives the same text): `propose_verify` is compiled, the walk runs eagerly, `commit` is compiled.
+same seed gives the same text) between the captured `draft_tree` + `verify` and `commit`.
 What the static path cannot run (a batch, sliding windows, ...) runs on the eager loop, and `DartStats.static_reason`
 says why (`static_refusal`).
 """
@@ -167,19 +167,23 @@ def head_draft(head: DartHead, modules: TargetModules, s: StaticHeadState, depth
     return head._project(head._mlp_out(residual, out), modules)[0].float()
 
 
-def propose_verify(target, head: DartHead, modules: TargetModules, cache: StaticCache, s: StaticHeadState,
-                   spec: StepSpec, ngram, eos: torch.Tensor | None):
-    """Head forward, tree search and the target's forward over the tree written into slots pos..pos+N-1.
-    Returns (tree, float logits [N, vocab], the head's layer inputs at every node [N, 3H])."""
+def draft_tree(head: DartHead, modules: TargetModules, s: StaticHeadState, spec: StepSpec, ngram,
+               eos: torch.Tensor | None) -> DraftTree:
+    """Head forward + tree search: the step's tree of exactly node budget + 1 nodes (`build_tree(fixed_size=True)`),
+    rooted at the text's last token, with prompt lookup over the fixed-size text buffer."""
     logits = head_draft(head, modules, s, spec.depth)
-    dev = s.text.device
-    tail = s.text_len - spec.context + torch.arange(spec.context, device=dev)
+    tail = s.text_len - spec.context + torch.arange(spec.context, device=s.text.device)
     context = torch.where(tail >= 0, s.text.index_select(0, tail.clamp(min=0)), -1)  # -1: before the text
     lookup = None
     if spec.lookup is not None:
         lookup = lookup_continuation(s.text, spec.depth, *spec.lookup, used=s.text_len)
-    tree = build_tree(logits, root_token=context[-1], context=context, params=spec.params, ngram=ngram,
+    return build_tree(logits, root_token=context[-1], context=context, params=spec.params, ngram=ngram,
                       draft_to_target=head.draft_to_target, eos_token_ids=eos, lookup=lookup, fixed_size=True)
+
+
+def verify(target, cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTree):
+    """The target's forward over the tree written into cache slots pos..pos+N-1: node i sees the committed slots and
+    its ancestors' slots. Returns (float logits [N, vocab], the head's layer inputs at every node [N, 3H])."""
     n, slots = tree.tokens.numel(), cache.layers[0].max_cache_len
     slot = torch.arange(slots, device=s.pos.device)
     rel = slot - s.pos
@@ -192,7 +196,7 @@ def propose_verify(target, head: DartHead, modules: TargetModules, cache: Static
         cache=cache, use_cache=True, output_hidden_states=list(spec.aux_ids), logits_to_keep=0,
     )
     aux = torch.cat([out.hidden_states[i][0] for i in spec.aux_ids], dim=-1)
-    return tree, out.logits[0].float(), aux
+    return out.logits[0].float(), aux
 
 
 def commit(cache: StaticCache, s: StaticHeadState, path: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor,
@@ -227,16 +231,23 @@ def greedy_path(tree: DraftTree, predicted: torch.Tensor, m: int) -> tuple[torch
     return torch.where(order < n, order, deepest), tree.depths.index_select(0, deepest.view(1))[0] + 1
 
 
-def greedy_step(target, head: DartHead, modules: TargetModules, cache: StaticCache, s: StaticHeadState,
-                spec: StepSpec, ngram, eos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One whole greedy DART step: propose, verify, accept, commit. Returns (length 0-d, tokens [M]: the accepted
-    draft tokens then the target's own, the first `length` real), on the device."""
-    tree, logits, aux = propose_verify(target, head, modules, cache, s, spec, ngram, eos)
+def accept_commit(cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTree, logits: torch.Tensor,
+                  aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance and `commit`. Returns (length 0-d, tokens [M]: the accepted draft tokens then the target's
+    own, the first `length` real)."""
     predicted = logits.argmax(dim=-1)
     path, length = greedy_path(tree, predicted, spec.path_slots)
     tokens = predicted[path]
     commit(cache, s, path, length, tokens, aux)
     return length, tokens
+
+
+def greedy_step(target, head: DartHead, modules: TargetModules, cache: StaticCache, s: StaticHeadState,
+                spec: StepSpec, ngram, eos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole greedy DART step, captured as one graph: `draft_tree`, `verify`, `accept_commit`."""
+    tree = draft_tree(head, modules, s, spec, ngram, eos)
+    logits, aux = verify(target, cache, s, spec, tree)
+    return accept_commit(cache, s, spec, tree, logits, aux)
 
 
 _COMPILED: dict = {}
@@ -312,25 +323,36 @@ class StaticStep:
         s.text_len.fill_(n + 1)
 
     def step(self, context: torch.Tensor, logits_processor, do_sample: bool, greedy: bool, timer) -> BatchAccepted:
-        """One step. Greedy without processors: the captured `greedy_step` and ONE device-to-host copy (length +
-        tokens). Otherwise the acceptance walk (`accept_walk`, eager) between the compiled propose/verify and
-        commit. Returns the step's tokens on the host as a one-row `BatchAccepted`."""
-        args = (self.target, self.head, self.modules, self.cache, self.state, self.spec, self.ngram, self.eos)
-        if greedy:
+        """One step; returns its tokens on the host as a one-row `BatchAccepted`. Greedy without processors: the
+        captured `greedy_step` and ONE device-to-host copy (length + tokens); with `dart_timing` its three parts are
+        captured and timed one by one (phases draft = head + tree search, verify, accept). Sampling or processors:
+        the captured draft and verify, the acceptance walk (`accept_walk`, eager: one draw per token as plain
+        `generate`), the captured `commit`."""
+        run = lambda fn, *args: compiled(fn, self.compile_options)(*args)
+        s, spec = self.state, self.spec
+        if greedy and not timer.requested:
             with timer.phase("step"):
-                length, tokens = compiled(greedy_step, self.compile_options)(*args)
-                host = torch.cat([length.view(1), tokens]).tolist()  # the step's one host sync
-            n = host[0]
-            new = torch.tensor(host[1:], dtype=torch.long)
-            return BatchAccepted(paths=torch.zeros(1, 1, dtype=torch.long), lengths=torch.tensor([n]),
-                                 tokens=new.unsqueeze(0))
+                length, tokens = run(greedy_step, self.target, self.head, self.modules, self.cache, s, spec,
+                                     self.ngram, self.eos)
+                return _host_result(length, tokens)  # the step's one host sync
+        with timer.phase("draft"):
+            tree = run(draft_tree, self.head, self.modules, s, spec, self.ngram, self.eos)
         with timer.phase("verify"):
-            tree, logits, aux = compiled(propose_verify, self.compile_options)(*args)
+            logits, aux = run(verify, self.target, self.cache, s, spec, tree)
         with timer.phase("accept"):
+            if greedy:
+                return _host_result(*run(accept_commit, self.cache, s, spec, tree, logits, aux))
             walk = accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample)
-            m, n = self.spec.path_slots, walk.path.numel()
+            m, n = spec.path_slots, walk.path.numel()
             pad = lambda t: torch.cat([t, t[-1:].expand(m - n, *t.shape[1:])])
-            compiled(commit, self.compile_options)(self.cache, self.state, pad(walk.path), torch.tensor(n, device=
-                                                   walk.path.device), pad(walk.tokens), aux)
+            run(commit, self.cache, s, pad(walk.path), torch.tensor(n, device=walk.path.device), pad(walk.tokens),
+                aux)
         return BatchAccepted(paths=walk.path.unsqueeze(0), lengths=torch.tensor([n]), tokens=walk.tokens.unsqueeze(0),
                              scores=walk.scores.unsqueeze(0), logits=walk.logits.unsqueeze(0))
+
+
+def _host_result(length: torch.Tensor, tokens: torch.Tensor) -> BatchAccepted:
+    """The greedy step's result on the host, read back in one copy: length then tokens."""
+    host = torch.cat([length.view(1), tokens]).tolist()
+    return BatchAccepted(paths=torch.zeros(1, 1, dtype=torch.long), lengths=torch.tensor(host[:1]),
+                         tokens=torch.tensor(host[1:], dtype=torch.long).unsqueeze(0))

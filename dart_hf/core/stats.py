@@ -84,6 +84,7 @@ class PhaseTimer:
 
     def __init__(self, totals: dict[str, float], device: torch.device, sync: bool = False):
         self.totals = totals
+        self.requested = sync  # the caller asked for exact phase times (the static step then times its parts)
         self.sync = sync and device.type == "cuda"
         self.exact = device.type == "cpu" or self.sync
         self.last: dict[str, float] = {}
