@@ -190,3 +190,29 @@ def test_threads_on_the_real_smollm2_target_give_plain_generates_text(fast_switc
             lambda: target.generate(ids[0], do_sample=False, max_new_tokens=32)]
     for got in run_together(jobs, rounds=2):
         assert all(torch.equal(g, s) for g, s in zip(got, [*solo, solo[0]]))
+
+
+def test_static_and_compiled_dart_calls_in_threads_beside_plain_calls(fast_switching):
+    """The static step (eager and captured) keeps its state in the call: threads running it on one target beside a
+    dynamic DART call and plain calls get what each gets alone."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    target = make_target("llama")
+    head = make_head(target, node_budget=5)
+    compiled = CompileConfig(backend="eager", mode=None)
+    compiled._compile_all_devices = True
+    singles = prompts(4, seed=91)
+    solo = [target.generate(p, do_sample=False, max_new_tokens=NEW) for p in singles]
+    solo_plain = plain_logits(target, singles[3])
+    static = dict(assistant_model=head, do_sample=False, max_new_tokens=NEW, cache_implementation="static")
+    target.generate(singles[1], **static, compile_config=compiled)  # captured once before the threads start
+    jobs = [
+        lambda: target.generate(singles[0], **static, disable_compile=True),
+        lambda: target.generate(singles[1], **static, compile_config=compiled),
+        lambda: target.generate(singles[2], assistant_model=head, do_sample=False, max_new_tokens=NEW),
+        lambda: plain_logits(target, singles[3]),
+    ]
+    for eager_static, compiled_static, dynamic, (seq, logits) in run_together(jobs, rounds=3):
+        assert torch.equal(eager_static, solo[0]) and torch.equal(compiled_static, solo[1])
+        assert torch.equal(dynamic, solo[2])
+        assert torch.equal(seq, solo_plain[0]) and torch.equal(logits, solo_plain[1])

@@ -222,3 +222,35 @@ def test_dart_timing_captures_the_parts_and_times_them(qwen3):
                           dart_stats=stats)
     assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=20))
     assert stats.compiled and {"draft", "verify", "accept"} <= set(stats.time) and "step" not in stats.time
+
+
+# ------------------------------------------------------------------------------------------------ the real target
+@pytest.mark.slow
+def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
+    """SmolLM2-135M with the shipped head, inductor: greedy token for token as plain eager `generate` and plain
+    static-cache compiled `generate`; seeded sampling through the captured draft / verify gives plain's text."""
+    from dart_hf.tools.assets import eval_prompts, load_target, shipped_head
+
+    target, tok = load_target("smollm2-135m-instruct")
+    head = dart_hf.DartHead.from_pretrained(shipped_head()).eval()
+    config = compile_config("inductor")
+    accepted = []
+    for dataset in ("humaneval", "sharegpt"):
+        ids = eval_prompts(tok, dataset, 1)[0]
+        ref = target.generate(ids, do_sample=False, max_new_tokens=48)
+        plain_compiled = target.generate(ids, do_sample=False, max_new_tokens=48, cache_implementation="static",
+                                         compile_config=config)
+        stats = dart_hf.DartStats()
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=48, dart_node_budget=4,
+                              cache_implementation="static", compile_config=config, dart_stats=stats)
+        assert stats.compiled
+        assert torch.equal(plain_compiled, ref) and torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+        accepted.append(stats.mean_accepted_length)
+    assert min(accepted) > 1.3  # the head's drafts are accepted through the captured step
+    kw = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=24)
+    torch.manual_seed(0)
+    ref = target.generate(ids, **kw)
+    torch.manual_seed(0)
+    out = target.generate(ids, assistant_model=head, dart_node_budget=4, cache_implementation="static",
+                          compile_config=config, **kw)
+    assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
