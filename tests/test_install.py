@@ -117,8 +117,9 @@ def readme_block(heading: str) -> str:
 
 @pytest.mark.slow
 def test_readme_quick_start_runs_verbatim_from_another_folder(tmp_path):
-    """The quick start and the batches example as a user pastes them, run outside the repository (no relative path
-    may leak in); the batched pipeline with the head gives the pipeline's texts without it."""
+    """The quick start, the batches example and the static-cache example as a user pastes them, run outside the
+    repository (no relative path may leak in); the batched pipeline with the head gives the pipeline's texts without
+    it, and the compiled DART step plain generate's tokens."""
     snippet = tmp_path / "snippet.py"
     batches = readme_block("### Batches")  # uses the quick start's target, tok and head
     printed = ("import builtins\nprinted = []\n"  # what the snippet prints, kept for the check
@@ -126,8 +127,11 @@ def test_readme_quick_start_runs_verbatim_from_another_folder(tmp_path):
     check = ('plain = pipeline("text-generation", model=target, tokenizer=tok, batch_size=4)'
              '(chats, do_sample=False, max_new_tokens=64)\n'
              'assert printed[-1] == (plain,), "batched pipeline differs"\n')  # what the README printed
-    snippet.write_text(printed + readme_block("## Quick start (Python)") + batches + check
-                       + 'print("QUICK START OK", out.shape)\n')
+    static = readme_block("### Static cache and `torch.compile`")  # compiles the step on this CPU (~1 min)
+    static_check = ('assert head.stats.compiled and torch.equal(out, target.generate(ids, max_new_tokens=128)), '
+                    '"compiled DART differs"\n')
+    snippet.write_text(printed + readme_block("## Quick start (Python)") + batches + check + "import torch\n"
+                       + static + static_check + 'print("QUICK START OK", out.shape)\n')
     proc = subprocess.run([sys.executable, str(snippet)], capture_output=True, text=True, cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "QUICK START OK" in proc.stdout
