@@ -50,7 +50,7 @@ def test_static_step_greedy_equals_plain(arch, budget):
         out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=30, dart_node_budget=budget,
                               dart_stats=stats, **STATIC)
         assert torch.equal(out, ref)
-        assert stats.static and not stats.compiled and stats.static_reason is None
+        assert stats.static and not stats.compiled and stats.static_reason is None  # greedy: all of it captured
         assert set(stats.node_budgets) == {budget}
         accepted.append(stats.mean_accepted_length)
     assert max(accepted) > 1.0  # drafts were accepted: the tree and commit paths ran, not only the root
@@ -94,8 +94,10 @@ def test_static_step_seeded_sampling_gives_plain_text():
         torch.manual_seed(seed)
         ref = target.generate(ids, **kw)
         torch.manual_seed(seed)
-        out = target.generate(ids, assistant_model=head, dart_node_budget=6, **kw, **STATIC)
+        stats = dart_hf.DartStats()
+        out = target.generate(ids, assistant_model=head, dart_node_budget=6, dart_stats=stats, **kw, **STATIC)
         assert torch.equal(out, ref)
+        assert stats.static and "acceptance walks the tree eagerly" in stats.static_reason
 
 
 def test_calls_the_static_step_cannot_take_run_the_eager_loop_and_say_why(llama, llama_head):

@@ -110,6 +110,9 @@ def dart_decode(
     keep = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
     do_sample = bool(config.do_sample)
     greedy = not do_sample and len(logits_processor) == 0
+    if static is not None and (not greedy or keep):
+        stats.static_reason = ("acceptance walks the tree eagerly between the captured draft / verify and commit "
+                               "(sampling, logits processors or returned scores)")
     ngram = head.ngram.to(head.device) if head.ngram is not None else None  # one copy for every row
     drafters = {} if static is not None else {b: DartDrafter(head, model, max_length=config.max_length, node_budget=node_budget,
                                prompt_lookup=prompt_lookup, eos_token_ids=config._eos_token_tensor, ngram=ngram)

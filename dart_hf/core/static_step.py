@@ -61,6 +61,8 @@ def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_co
         return "node budget 0 is plain decoding"
     if tensor_parallel:
         return "a tensor-parallel target"
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+        return "a target split over devices (device_map)"
     return None
 
 
@@ -295,7 +297,7 @@ class StaticStep:
             pend_tok=long(1, m), n_pend=long(), pos=long(), text=long(slots), text_len=long(),
             last_pos=torch.tensor(max_length - 1, device=dev),
         )
-        for t in (self.state.head_k, self.state.head_v):
+        for t in vars(self.state).values():  # updated in place every step: fixed addresses for CUDA graphs
             torch._dynamo.mark_static_address(t)
 
     @property

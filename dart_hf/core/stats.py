@@ -30,7 +30,8 @@ class DartStats:
     and acceptance, timed from the proposal to the next `update_candidate_strategy`). The static greedy step is one
     captured function: its time is "step" (draft + tree + verify + accept + commit).
     static / compiled: whether the call ran the fixed-shape step (`cache_implementation="static"`), and whether
-    compiled; static_reason: why a call that asked for a static cache ran the eager loop instead.
+    compiled; static_reason: why a call that asked for a static cache ran the eager loop instead, or which part of
+    its steps runs outside the captured graph.
     """
 
     mode: str = "tree"
