@@ -597,3 +597,27 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
         assert len(policy.batch_times.draft_any[b]) == min(budgets.count(b), policy.knobs.window), b
     assert not policy.batch_times.draft[3]  # only ever right after a plain step
     assert all(d > 0 for b in (1, 7) for d in policy.batch_times.draft[b])
+
+
+def test_batch_rule_learns_from_whole_steps_where_phase_times_are_launch_times():
+    """CUDA without dart_timing: phase times are kernel launch times, so the loop gives the batch rule the whole step
+    (exact: it ends in the acceptance's host read) as the verify time and no drafting cost; the rule learns."""
+    from types import SimpleNamespace
+
+    from dart_hf.core.acceptance import BatchAccepted
+    from dart_hf.core.loop import _observe_batch
+    from dart_hf.core.tree import root_tree
+    from dart_hf.core.tree_batch import TreeBatch
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    curve = VerifyCost(sizes, [0.050 + 0.001 * n for n in sizes])
+    policy = informed_policy(curve)
+    trees = TreeBatch.stack([root_tree(torch.tensor(5), torch.device("cpu")) for _ in range(4)])
+    step = BatchAccepted(paths=torch.zeros(4, 1, dtype=torch.long), lengths=torch.ones(4, dtype=torch.long),
+                         tokens=torch.zeros(4, 1, dtype=torch.long))
+    launch_times = SimpleNamespace(exact=False, last={"verify": 1e-5})
+    _observe_batch(policy, trees, step, [1] * 4, 0, launch_times, drafting=1e-5, steady=True, wall=3 * curve(4))
+    assert statistics.median(policy.batch_times.scale[0]) == pytest.approx(3.0)  # the wall time, not the launch time
+    exact = SimpleNamespace(exact=True, last={"verify": curve(4)})
+    _observe_batch(policy, trees, step, [1] * 4, 0, exact, drafting=0.0, steady=True, wall=3 * curve(4))
+    assert sorted(policy.batch_times.scale[0]) == pytest.approx([1.0, 3.0])  # exact phases: the verify phase

@@ -7,7 +7,9 @@ the verify of R rows x (n + 1) tokens priced as one row of as many tokens (measu
 `dart-hf calibrate --batch`), s(n) the recent batched verifies' measured / predicted time at n (the load now, and the
 curve's own error there), D(n) each row's head forward + tree search as recent batched steps measured it. Every row
 drafts alone, so D grows the step by R * D(n) and large batches fall back to plain decoding first; a tree must
-promise `batch_margin` more than plain decoding. The batch loop keeps both sides measured: one step in 32 drafts
+promise `batch_margin` more than plain decoding. Where phase times are not exact (CUDA without `dart_timing`), the
+loop observes whole steps, which end in a host read, as s(n) alone (D = 0): the rule learns on every device. The batch
+loop keeps both sides measured: one step in 32 drafts
 while the rule says plain decoding, and is plain decoding while it says draft.
 """
 

@@ -30,6 +30,8 @@ What plain batched `generate` does, and how it is kept:
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
@@ -149,6 +151,7 @@ def dart_decode(
         active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
         out_stream.flush(active)
     while active:
+        started = time.perf_counter()
         single = policy is not None and len(active) == 1  # the single-row rule times whole steps
         budget, probe = _step_budget(policy, node_budget, len(active), probe)
         budget = shared_budget(tp_group, budget, model)
@@ -172,7 +175,8 @@ def dart_decode(
                     for i, b in enumerate(active)
                 ])
             ragged.commit(step.paths, step.lengths)
-            lengths = step.lengths.tolist()
+            lengths = step.lengths.tolist()  # a host read: the step's device work is done
+            wall = time.perf_counter() - started
             for i, b in enumerate(active):
                 path = step.paths[i, : lengths[i]]
                 drafters[b].advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]])
@@ -181,7 +185,7 @@ def dart_decode(
             policy.observe_tree(trees.trees[0], step.paths[0, : lengths[0]].to(trees.tokens.device), budget)
         elif policy is not None:
             _observe_batch(policy, trees, step, lengths, budget, timer, _drafting_seconds(timer) - drafted,
-                           drafted_before)
+                           drafted_before, wall)
         drafted_before = budget > 0
         stats.record_step(n_new, budget)
         active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
@@ -231,13 +235,18 @@ def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool
 
 
 def _observe_batch(policy: BudgetPolicy, trees: TreeBatch, step: BatchAccepted, lengths: list[int], budget: int,
-                   timer: PhaseTimer, drafting: float, steady: bool) -> None:
-    """What a batched step tells the batch rule: its verify scale and per-row drafting cost (exact times only), and
-    each row's acceptance (a batched step is not a single-row step time)."""
+                   timer: PhaseTimer, drafting: float, steady: bool, wall: float) -> None:
+    """What a batched step tells the batch rule: its verify scale and per-row drafting cost, and each row's acceptance
+    (a batched step is not a single-row step time). Where phase times are launch times (CUDA without `dart_timing`),
+    the whole step up to the acceptance's host read (`wall`) is exact: it is observed as the verify time, so the
+    scale s(n) carries that size's drafting too and the per-row drafting cost is 0 (the model stays
+    T = s(n) * curve + R * D(n), learnt on every device)."""
     with policy.lock:
+        rows, tokens = len(trees.trees), trees.tokens.numel()
         if timer.exact:
-            policy.batch_times.observe(len(trees.trees), budget, trees.tokens.numel(), timer.last["verify"], drafting,
-                                       steady=steady)
+            policy.batch_times.observe(rows, budget, tokens, timer.last["verify"], drafting, steady=steady)
+        else:
+            policy.batch_times.observe(rows, budget, tokens, wall, 0.0, steady=steady)
     if budget > 0:
         for i, tree in enumerate(trees.trees):
             path = step.paths[i, : lengths[i]].to(tree.tokens.device)
