@@ -241,3 +241,40 @@ def test_tree_search_is_validated_and_read_from_the_config():
     with pytest.raises(ValueError, match="tree_search"):
         DartConfig(tree_search="greedy")
     assert TreeSearchParams.from_config(DartConfig(tree_search="best_first")).search == "best_first"
+
+
+@pytest.mark.parametrize("search", ["beam", "best_first"])
+def test_batched_search_gives_each_row_the_tree_it_gets_alone(search):
+    """build_trees over several rows (own roots, contexts, lookups, depth limits; the head's logits) equals
+    build_tree row by row, node for node, padding aside."""
+    from dart_hf.core.prompt_lookup import lookup_continuation
+    from dart_hf.core.tree import build_trees
+
+    g = torch.Generator().manual_seed(9)
+    vocab, rows, depth = 40, 5, 6
+    ngram = NGramModel.build([torch.randint(0, vocab, (400,), generator=g).tolist()], order=3, vocab_size=vocab,
+                             progress=False)
+    logits = torch.randn(rows, depth, vocab, generator=g) * 3
+    texts = [torch.randint(0, vocab, (int(n),), generator=g) for n in (1, 7, 12, 30, 9)]
+    texts[3][-4:] = texts[3][10:14]  # a text that repeats itself: a lookup continuation to offer
+    max_depths = [6, 2, 0, 6, 4]
+    params = TreeSearchParams(search=search, top_k=6, beam_width=3, node_budget=9)
+    eos = torch.tensor([3])
+    lookups = [lookup_continuation(t, depth) for t in texts]
+    contexts = torch.stack([torch.cat([torch.full((2,), -1), t])[-2:] for t in texts])
+    batched = build_trees(logits, torch.stack([t[-1] for t in texts]), contexts, params, ngram=ngram,
+                          eos_token_ids=eos, max_depths=torch.tensor(max_depths),
+                          lookup=(torch.stack([lk[0] for lk in lookups]), torch.stack([lk[1] for lk in lookups])))
+    assert bool(lookups[3][1].any())
+    for r, text in enumerate(texts):
+        alone = build_tree(logits[r], text[-1], text, params, ngram=ngram, eos_token_ids=eos,
+                           max_depth=max_depths[r], lookup=lookups[r])
+        mine = batched.row(r)
+        assert mine.size == alone.size
+        for field in ("tokens", "parents", "depths", "ancestor_mask", "scores"):
+            assert torch.equal(getattr(mine, field), getattr(alone, field)), (r, field)
+        n = batched.tokens.shape[1]  # padding: parent 0, depth 0, its own ancestor only
+        pad = torch.arange(alone.size, n)
+        assert not batched.parents[r, pad].any() and not batched.depths[r, pad].any()
+        assert torch.equal(batched.ancestor_mask[r, pad][:, pad], torch.eye(len(pad), dtype=torch.bool))
+    assert batched.sizes[2] == 1  # depth limit 0: the root alone

@@ -128,14 +128,18 @@ def root_tree(token: torch.Tensor, device: torch.device) -> DraftTree:
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """[N, N] self-or-ancestor mask by pointer jumping up `max_depth` levels (no per-node loop)."""
-    n = parents.numel()
-    idx = torch.arange(n, device=parents.device)
-    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
-    mask[idx, idx] = True
-    cur = idx
+    return ancestor_masks(parents.unsqueeze(0), max_depth)[0]
+
+
+def ancestor_masks(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """`ancestor_mask` of every row of `parents` [B, N]: [B, N, N]."""
+    b, n = parents.shape
+    cur = torch.arange(n, device=parents.device).expand(b, n)
+    mask = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
+    mask.scatter_(2, cur.unsqueeze(2), True)
     for _ in range(max_depth):
-        cur = parents[cur]
-        mask[idx, cur] = True
+        cur = parents.gather(1, cur)
+        mask.scatter_(2, cur.unsqueeze(2), True)
     return mask
 
 
@@ -147,25 +151,26 @@ def _add_lookup_candidate(
     on_lookup: torch.Tensor,
     lookup_term: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append one candidate column [beams, k+1]: the lookup token c_{d+1}, with term `lookup_term`, for the beam on
-    the lookup path; -inf (never chosen) elsewhere or where the head already proposes it (that entry keeps the
-    better term)."""
+    """Append one candidate column [rows, beams, k+1]: the lookup token c_{d+1} of each row (lookup: tokens and valid
+    [rows, >= D]), with term `lookup_term`, for the beam on the lookup path; -inf (never chosen) elsewhere or where
+    the head already proposes it (that entry keeps the better term)."""
     tokens, valid = lookup
-    token = tokens[d].expand(cand.shape[0], 1)
-    on = (on_lookup & valid[d]).unsqueeze(1)
-    lookup_logp = torch.full_like(logp[:, :1], lookup_term)
+    token = tokens[:, d].view(-1, 1, 1).expand(-1, cand.shape[1], 1)
+    on = (on_lookup & valid[:, d : d + 1]).unsqueeze(2)
+    lookup_logp = torch.full_like(logp[..., :1], lookup_term)
     same = (cand == token) & on
     logp = torch.where(same, torch.maximum(logp, lookup_logp), logp)
-    extra = lookup_logp.masked_fill(~on | same.any(dim=1, keepdim=True), float("-inf"))
-    return torch.cat([logp, extra], dim=1), torch.cat([cand, token], dim=1)
+    extra = lookup_logp.masked_fill(~on | same.any(dim=2, keepdim=True), float("-inf"))
+    return torch.cat([logp, extra], dim=2), torch.cat([cand, token], dim=2)
 
 
 def _ranked(scores: torch.Tensor, is_eos: torch.Tensor | None) -> torch.Tensor:
-    """Indices of `scores` best first, ties in index order; EOS entries after all others, -inf entries last."""
-    order = torch.sort(scores, descending=True, stable=True).indices
+    """Per row of `scores` [rows, n]: indices best first, ties in index order; EOS entries after all others, -inf
+    entries last."""
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
     group = torch.zeros_like(scores, dtype=torch.long) if is_eos is None else is_eos.long()
     group = torch.where(torch.isfinite(scores), group, 2)
-    return order[torch.sort(group[order], stable=True).indices]
+    return order.gather(1, torch.sort(group.gather(1, order), dim=1, stable=True).indices)
 
 
 def build_tree(
@@ -180,7 +185,7 @@ def build_tree(
     lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
     fixed_size: bool = False,
 ) -> DraftTree:
-    """Beam-search a draft tree.
+    """Beam-search a draft tree: `build_trees` for one row.
 
     draft_logits [D, Vd]: row d scores the token at tree depth d+1. root_token: 0-d tensor (the bonus
     token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
@@ -190,80 +195,146 @@ def build_tree(
     compiled step's static shapes): a placeholder lookup column (score -inf, ranked last) then fills a tree whose pool
     has fewer real candidates than the budget; verifying it is harmless (its token is checked like any other).
     """
+    hist_len = max(ngram.context_size if ngram is not None else 0, 1)
+    ctx = context[-hist_len:].to(device=draft_logits.device, dtype=torch.long)
+    if ctx.numel() < hist_len:
+        ctx = torch.cat([ctx.new_full((hist_len - ctx.numel(),), -1), ctx])
+    depths = None if max_depth is None else torch.tensor([max_depth], device=draft_logits.device)
+    trees = build_trees(
+        draft_logits.unsqueeze(0), root_token.view(1), ctx.unsqueeze(0), params, ngram=ngram,
+        draft_to_target=draft_to_target, eos_token_ids=eos_token_ids, max_depths=depths,
+        depth_bound=max_depth, lookup=None if lookup is None else (lookup[0][None], lookup[1][None]),
+        fixed_size=fixed_size,
+    )
+    return trees.row(0) if not fixed_size else trees.row(0, trees.tokens.shape[1])
+
+
+@dataclass
+class DraftTrees:
+    """The trees of several rows, padded to one node count N (`DraftTree` fields with a leading row dimension): row
+    r's tree is nodes [0, sizes[r]); a padding node has the row's fill token, parent 0, depth 0, itself alone as
+    ancestor and score -inf. `sizes` [rows] is on the device (reading it is a host sync: `row` does)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestor_mask: torch.Tensor
+    scores: torch.Tensor
+    sizes: torch.Tensor
+
+    def row(self, r: int, size: int | None = None) -> DraftTree:
+        """Row r's own tree (its first `size` nodes; default: its size)."""
+        n = int(self.sizes[r]) if size is None else size
+        return DraftTree(self.tokens[r, :n], self.parents[r, :n], self.depths[r, :n],
+                         self.ancestor_mask[r, :n, :n], self.scores[r, :n])
+
+
+def build_trees(
+    draft_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    contexts: torch.Tensor,
+    params: TreeSearchParams,
+    ngram: NGramModel | None = None,
+    draft_to_target: torch.Tensor | None = None,
+    eos_token_ids: torch.Tensor | None = None,
+    max_depths: torch.Tensor | None = None,
+    depth_bound: int | None = None,
+    lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fixed_size: bool = False,
+) -> DraftTrees:
+    """Beam-search one draft tree per row, all rows at once (module docstring; each row's tree is the one the search
+    gives that row alone).
+
+    draft_logits [B, D, Vd]; root_tokens [B]; contexts [B, c]: the last c = max(n-gram context, 1) tokens of each
+    row's text, the root last (-1: before the text). max_depths [B] (or None): no node of row r deeper than
+    max_depths[r] (a row at 0 gets its root alone); depth_bound: a Python int >= every max_depths entry, if known
+    (the search runs no deeper; default: D). lookup: (tokens [B, >= D], valid [B, >= D]) or None. fixed_size: every
+    row gets node_budget + 1 nodes (see `build_tree`); otherwise rows have their own sizes, padded to the largest.
+    """
     device = draft_logits.device
+    rows, depth_rows = draft_logits.shape[0], draft_logits.shape[1]
     # The best B nodes are closed under ancestors and outrank every other node of their depth, so beams wider than
     # B and depths past B cannot change the tree (small CPU budgets search cheaply). top-k stays: the n-gram term
     # can lift a token the head ranks below B.
     budget = max(int(params.node_budget), 1)
-    depth_limit = min(draft_logits.shape[0] if max_depth is None else max_depth, draft_logits.shape[0], budget)
-    k = min(params.top_k, draft_logits.shape[1])
+    depth_limit = min(depth_rows if depth_bound is None else depth_bound, depth_rows, budget)
+    k = min(params.top_k, draft_logits.shape[2])
     best_first = params.search == "best_first"
     if best_first:  # calibrated across depths: the whole softmax; no decays; every draft of the best B kept
-        top_logp, top_ids = draft_logits[:depth_limit].float().log_softmax(dim=-1).topk(k, dim=-1)
+        top_logp, top_ids = draft_logits[:, :depth_limit].float().log_softmax(dim=-1).topk(k, dim=-1)
         level_decay, logit_decay, beam_width = 0.0, 1.0, budget
     else:
-        top_logits, top_ids = draft_logits[:depth_limit].float().topk(k, dim=-1)
+        top_logits, top_ids = draft_logits[:, :depth_limit].float().topk(k, dim=-1)
         top_logp = torch.log(torch.softmax(top_logits, dim=-1) + LOG_EPS)  # softmax over the k kept (reference)
         level_decay, logit_decay, beam_width = params.level_decay, params.logit_decay, params.beam_width
     if draft_to_target is not None:
         top_ids = draft_to_target[top_ids]
-    hist_len = max(ngram.context_size if ngram is not None else 0, 1)
-    ctx = context[-hist_len:].to(device=device, dtype=torch.long)
-    if ctx.numel() < hist_len:
-        ctx = torch.cat([ctx.new_full((hist_len - ctx.numel(),), -1), ctx])
+    hist_len = contexts.shape[1]
     f32 = lambda w: torch.tensor(w, dtype=torch.float32, device=device)  # weights are float32 in the reference
     ngram_w = f32(params.ngram_weight)
 
-    # pool of every scored node; index 0 is the root
-    pool_tokens = [root_token.view(1).to(device=device, dtype=torch.long)]
-    pool_parents = [torch.zeros(1, dtype=torch.long, device=device)]
-    pool_depths = [torch.zeros(1, dtype=torch.long, device=device)]
-    pool_scores = [torch.zeros(1, device=device)]
+    # pool of every scored node, per row; index 0 is the root
+    pool_tokens = [root_tokens.view(rows, 1).to(device=device, dtype=torch.long)]
+    pool_parents = [torch.zeros(rows, 1, dtype=torch.long, device=device)]
+    pool_depths = [torch.zeros(rows, 1, dtype=torch.long, device=device)]
+    pool_scores = [torch.zeros(rows, 1, device=device)]
     pool_size = 1
 
-    beam_scores = torch.zeros(1, device=device)
-    beam_nodes = torch.zeros(1, dtype=torch.long, device=device)
-    beam_hist = ctx.view(1, hist_len)
-    beam_on_lookup = torch.ones(1, dtype=torch.bool, device=device)  # the beam's path is c_1..c_d
+    beam_scores = torch.zeros(rows, 1, device=device)
+    beam_nodes = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    beam_hist = contexts.to(device=device, dtype=torch.long).view(rows, 1, hist_len)
+    beam_on_lookup = torch.ones(rows, 1, dtype=torch.bool, device=device)  # the beam's path is c_1..c_d
     for d in range(depth_limit):
-        term = (top_logp[d] * f32(logit_decay**d)).unsqueeze(0).expand(beam_scores.numel(), k)
-        cand = top_ids[d].unsqueeze(0).expand_as(term)
+        beams = beam_scores.shape[1]
+        term = (top_logp[:, d] * f32(logit_decay**d)).unsqueeze(1).expand(rows, beams, k)
+        cand = top_ids[:, d].unsqueeze(1).expand(rows, beams, k)
         if ngram is not None and d > 0 and params.ngram_weight != 0:
-            term = term + torch.log(ngram.prob(beam_hist, cand) + LOG_EPS) * ngram_w
+            prob = ngram.prob(beam_hist.reshape(rows * beams, hist_len), cand.reshape(rows * beams, k))
+            term = term + torch.log(prob.view(rows, beams, k) + LOG_EPS) * ngram_w
         if lookup is not None:  # after the n-gram term: a lookup proposal is scored by lookup_logp alone
             lookup_term = logit_decay**d * params.lookup_logp
             term, cand = _add_lookup_candidate(term, cand, lookup, d, beam_on_lookup, lookup_term)
-        scores = beam_scores.unsqueeze(1) + f32((d + 1) ** -level_decay) * term
-        width = scores.numel()
-        flat, flat_cand = scores.reshape(-1), cand.reshape(-1)
+        scores = beam_scores.unsqueeze(2) + f32((d + 1) ** -level_decay) * term
+        if max_depths is not None:  # a row past its own depth limit: nothing more (never chosen)
+            scores = scores.masked_fill((max_depths <= d).view(rows, 1, 1), float("-inf"))
+        width = scores.shape[1] * scores.shape[2]
+        flat, flat_cand = scores.reshape(rows, width), cand.reshape(rows, width)
         pool_tokens.append(flat_cand)
-        pool_parents.append(beam_nodes.unsqueeze(1).expand_as(scores).reshape(-1))
-        pool_depths.append(torch.full((width,), d + 1, dtype=torch.long, device=device))
+        pool_parents.append(beam_nodes.unsqueeze(2).expand_as(scores).reshape(rows, width))
+        pool_depths.append(torch.full((rows, width), d + 1, dtype=torch.long, device=device))
         pool_scores.append(flat)
         is_eos = torch.isin(flat_cand, eos_token_ids) if eos_token_ids is not None else None
-        sel = _ranked(flat, is_eos)[: min(beam_width, width, budget)]
-        beam_scores, beam_nodes = flat[sel], pool_size + sel
-        parent_beam = sel // cand.shape[1]
+        sel = _ranked(flat, is_eos)[:, : min(beam_width, width, budget)]
+        beam_scores, beam_nodes = flat.gather(1, sel), pool_size + sel
+        parent_beam = sel // cand.shape[2]
+        chosen_tokens = flat_cand.gather(1, sel)
         if lookup is not None:
-            beam_on_lookup = beam_on_lookup[parent_beam] & (flat_cand[sel] == lookup[0][d])
-        beam_hist = torch.cat([beam_hist[parent_beam, 1:], flat_cand[sel].unsqueeze(1)], dim=1)
+            beam_on_lookup = beam_on_lookup.gather(1, parent_beam) & (chosen_tokens == lookup[0][:, d : d + 1])
+        parent_hist = beam_hist.gather(1, parent_beam.unsqueeze(2).expand(-1, -1, hist_len))
+        beam_hist = torch.cat([parent_hist[:, :, 1:], chosen_tokens.unsqueeze(2)], dim=2)
         pool_size += width
 
-    tokens, parents = torch.cat(pool_tokens), torch.cat(pool_parents)
-    depths, scores = torch.cat(pool_depths), torch.cat(pool_scores)
-    chosen = _ranked(scores[1:], None)[: min(budget, pool_size - 1)] + 1
-    if not fixed_size:  # never a placeholder (-inf) lookup column
-        chosen = chosen[torch.isfinite(scores[chosen])]
-    chosen = torch.cat([torch.zeros(1, dtype=torch.long, device=device), chosen.sort().values])
-    # pool indices grow with depth, so sorting keeps parents before children; remap parents to tree indices
-    tree_index = torch.full((pool_size,), -1, dtype=torch.long, device=device)
-    tree_index[chosen] = torch.arange(chosen.numel(), device=device)
-    tree_parents = tree_index[parents[chosen]]
-    tree_parents[0] = 0
-    return DraftTree(
-        tokens=tokens[chosen],
-        parents=tree_parents,
-        depths=depths[chosen],
-        ancestor_mask=ancestor_mask(tree_parents, depth_limit),
-        scores=scores[chosen],
+    tokens, parents = torch.cat(pool_tokens, dim=1), torch.cat(pool_parents, dim=1)
+    depths, scores = torch.cat(pool_depths, dim=1), torch.cat(pool_scores, dim=1)
+    chosen = _ranked(scores[:, 1:], None)[:, : min(budget, pool_size - 1)] + 1
+    kept = torch.ones_like(chosen, dtype=torch.bool) if fixed_size else torch.isfinite(scores.gather(1, chosen))
+    # pool indices grow with depth, so ascending order keeps parents before children; a row's unkept entries go last
+    order = torch.sort(torch.where(kept, chosen, pool_size + chosen), dim=1).values
+    kept = order < pool_size
+    chosen = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), torch.where(kept, order, 0)], dim=1)
+    real = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=device), kept], dim=1)  # [rows, N]
+    n = chosen.shape[1]
+    node = torch.arange(n, device=device).expand(rows, n)
+    tree_index = torch.zeros(rows, pool_size, dtype=torch.long, device=device)  # remap parents to tree indices
+    tree_index.scatter_(1, torch.where(real, chosen, 0), torch.where(real, node, 0))
+    tree_parents = torch.where(real, tree_index.gather(1, parents.gather(1, chosen)), node)
+    tree_parents[:, 0] = 0
+    anc = ancestor_masks(tree_parents, depth_limit)  # a padding node is its own parent: itself alone
+    return DraftTrees(
+        tokens=torch.where(real, tokens.gather(1, chosen), root_tokens.view(rows, 1).to(device)),
+        parents=torch.where(real, tree_parents, 0),
+        depths=torch.where(real, depths.gather(1, chosen), 0),
+        ancestor_mask=anc,
+        scores=torch.where(real, scores.gather(1, chosen), float("-inf")),
+        sizes=real.sum(dim=1),
     )
