@@ -11,6 +11,7 @@ from transformers.generation.streamers import BaseStreamer
 import dart_hf
 from conftest import SLIDING, make_head, make_target, prompts, sliding_target
 from dart_hf.core.drafter import DartDrafter
+from dart_hf.core.tree_batch import TreeBatch
 from test_sliding_window import chain_tree
 from dart_hf.core import loop, ragged
 
@@ -393,13 +394,15 @@ def test_sliding_window_batches_equal_plain_batched_generate(model_type, monkeyp
     original = DartDrafter.propose
     depths = iter(list(range(1, 9)) * 40)
 
-    def propose(self, input_ids, max_new, timer, node_budget=None):
-        original(self, input_ids, max_new, timer, node_budget)  # the drafter's own state machine runs as it is
-        text = input_ids[0]
+    def propose(self, texts, max_new, timer, node_budget=None, fill=0):
+        original(self, texts, max_new, timer, node_budget, fill)  # the drafter's own state machine runs as it is
+        return TreeBatch.stack([row_tree(text, limit) for text, limit in zip(texts, max_new)], fill)
+
+    def row_tree(text, limit):
         for prompt, cont in oracle_rows.items():
             if tuple(text[: len(prompt)].tolist()) == prompt:
                 done = text.numel() - len(prompt)
-                truth = cont[done : done + min(next(depths), max_new)].tolist()
+                truth = cont[done : done + min(next(depths), limit)].tolist()
                 wrong = [(t + 1 + i) % vocab for i, t in enumerate(truth)]
                 return chain_tree(int(text[-1]), truth, wrong)
         raise AssertionError("unknown row")

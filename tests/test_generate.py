@@ -41,14 +41,15 @@ def test_streamer_receives_prompt_then_every_new_token(llama, llama_head):
 def record_drafts(head, monkeypatch) -> dict[int, torch.Tensor]:
     """Draft logits keyed by the prefix length the head has consumed when it drafts."""
     seen: dict[int, torch.Tensor] = {}
-    original = head.draft
+    original = head.draft_rows
 
-    def spy(aux, next_tokens, cache, depth=None, **kwargs):
-        prefix = cache.length + aux.shape[1]
-        seen[prefix] = original(aux, next_tokens, cache, depth=depth, **kwargs)
-        return seen[prefix]
+    def spy(aux, next_tokens, real, cache_k, cache_v, lengths, depth, *args, **kwargs):
+        prefix = int(lengths[0] + real[0])
+        logits = original(aux, next_tokens, real, cache_k, cache_v, lengths, depth, *args, **kwargs)
+        seen[prefix] = logits[0]
+        return logits
 
-    monkeypatch.setattr(head, "draft", spy)
+    monkeypatch.setattr(head, "draft_rows", spy)
     return seen
 
 

@@ -177,21 +177,22 @@ def noisy_oracle(head: dart_hf.DartHead, text: torch.Tensor | None, seed: int = 
     if text is None:
         yield
         return
-    original, text, g = head.draft, text[0], torch.Generator().manual_seed(seed)
+    original, text, g = head.draft_rows, text[0], torch.Generator().manual_seed(seed)
 
-    def draft(aux, next_tokens, cache, depth=None, **kwargs):
-        consumed = cache.length + aux.shape[1]  # row d predicts the token at consumed + 1 + d
-        logits = original(aux, next_tokens, cache, depth=depth, **kwargs)
-        noisy = 2.0 * torch.randn(logits.shape, generator=g).to(logits)
-        truth = text[consumed + 1 : consumed + 1 + logits.shape[0]].to(logits.device)
+    def draft_rows(aux, next_tokens, real, cache_k, cache_v, lengths, depth, *args, **kwargs):
+        assert aux.shape[0] == 1, "the oracle drafts one row"
+        consumed = int(lengths[0] + real[0])  # row d predicts the token at consumed + 1 + d
+        logits = original(aux, next_tokens, real, cache_k, cache_v, lengths, depth, *args, **kwargs)
+        noisy = 2.0 * torch.randn(logits.shape[1:], generator=g).to(logits)
+        truth = text[consumed + 1 : consumed + 1 + depth].to(logits.device)
         noisy[torch.arange(truth.numel()), truth] += 5.0
-        return noisy
+        return noisy.unsqueeze(0)
 
-    head.draft = draft
+    head.draft_rows = draft_rows
     try:
         yield
     finally:
-        del head.draft
+        del head.draft_rows
 
 
 def dart(target, head, ids, mode: str = "tree", reference: torch.Tensor | None = None, **kw):
@@ -474,7 +475,8 @@ def test_a_lookup_that_is_always_wrong(tiny_target, plain, monkeypatch):
     target = tiny_target("llama")
     head = make_head(target)
     head.config.lookup_logp = 0.0  # the garbage outranks every drafted token
-    garbage = lambda context, length, *a: (torch.full((length,), 5), torch.ones(length, dtype=torch.bool))
+    garbage = lambda texts, length, *a: (torch.full((len(texts), length), 5), torch.ones(len(texts), length,
+                                                                                       dtype=torch.bool))
     monkeypatch.setattr("dart_hf.core.drafter.lookup_for_tree", garbage)
     for mode in MODES:
         for ids in prompts(2, seed=4):

@@ -20,6 +20,7 @@ import dart_hf
 from conftest import SLIDING, SLIDING_WINDOW, compact_cache, prefilled, sliding_target
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTree, ancestor_mask
+from dart_hf.core.tree_batch import TreeBatch
 from dart_hf.core.verify import verify_tree
 from dart_hf.tools.targets import tiny_config
 
@@ -95,12 +96,13 @@ def oracle(monkeypatch, plain: torch.Tensor, vocab: int) -> list[int]:
     original = DartDrafter.propose
     depths = iter(list(range(1, 12)) * 10)
 
-    def propose(self, input_ids, max_new, timer, node_budget=None):
-        original(self, input_ids, max_new, timer, node_budget)  # keeps the drafter's own state machine as it is
-        n = input_ids.shape[1]
-        truth = plain[0, n : n + min(next(depths), max_new)].tolist()
+    def propose(self, texts, max_new, timer, node_budget=None, fill=0):
+        original(self, texts, max_new, timer, node_budget, fill)  # keeps the drafter's own state machine as it is
+        (text,), (limit,) = texts, max_new
+        n = text.numel()
+        truth = plain[0, n : n + min(next(depths), limit)].tolist()
         wrong = [(t + 1 + i) % vocab for i, t in enumerate(truth)]
-        return chain_tree(int(input_ids[0, -1]), truth, wrong).to(input_ids.device)
+        return TreeBatch.stack([chain_tree(int(text[-1]), truth, wrong).to(text.device)], fill)
 
     monkeypatch.setattr(DartDrafter, "propose", propose)
 

@@ -6,7 +6,7 @@ everything (GenerationConfig, logits processors and warpers, stopping criteria i
 then hands over to it, either through `custom_generate=dart_decode` or through the `assistant_model=DartHead` routing
 installed by `import dart_hf` (see `dart_hf.integrations.transformers`). Per step:
 
-    each row's tree (its own `DartDrafter`: head forward + tree search)  ->  `TreeBatch` (padded to one node count)
+    every row's tree (`DartDrafter`: ONE head forward and ONE tree search for all rows) -> `TreeBatch` (padded)
     `verify_batch`: one target forward over [rows, N], the mask of each row (`ragged.RaggedCache`: padding + holes +
         sliding windows + tree), returning the logits and the layer inputs the head reads next
     acceptance: `accept_greedy_batch` (vectorised over rows), else the walk per row with the processors
@@ -115,10 +115,9 @@ def dart_decode(
     if static is not None and (not greedy or keep):
         stats.static_reason = ("acceptance walks the tree eagerly between the captured draft / verify and commit "
                                "(sampling, logits processors or returned scores)")
-    ngram = head.ngram.to(head.device) if head.ngram is not None else None  # one copy for every row
-    drafters = {} if static is not None else {b: DartDrafter(head, model, max_length=config.max_length, node_budget=node_budget,
-                               prompt_lookup=prompt_lookup, eos_token_ids=config._eos_token_tensor, ngram=ngram)
-                for b in range(len(rows))}
+    drafter = None if static is not None else DartDrafter(
+        head, model, max_length=config.max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
+        eos_token_ids=config._eos_token_tensor, rows=len(rows))
     out_stream = ColumnStream(dart_streamer, rows, pad_id)
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
@@ -128,9 +127,9 @@ def dart_decode(
     with timer.phase("prefill"):
         raw, processed, first, aux = _prefill(model, input_ids, attention_mask, mask, cache, logits_processor,
                                               do_sample, aux_ids)
-        for b, drafter in drafters.items():
+        for b in range(len(rows) if drafter is not None else 0):
             left = rows.lefts[b]
-            drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]))
+            drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]), row=b)
         if static is not None:
             static.start(input_ids, aux, first)
     ragged = RaggedCache(cache, mask.bool(), model.config)
@@ -140,7 +139,7 @@ def dart_decode(
     step = BatchAccepted(paths=torch.zeros_like(one).unsqueeze(1), lengths=one, tokens=first.unsqueeze(1),
                          scores=processed.unsqueeze(1), logits=raw.unsqueeze(1))
     stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
-    active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+    active = _retire(rows, active, ragged, drafter, config.max_length, pad_finished)
     out_stream.flush(active)
     probe, budget, drafted_before, single = 0, node_budget, False, False
     while static is not None and active:  # the fixed-shape step (`static_step`): one row, one budget
@@ -148,7 +147,7 @@ def dart_decode(
         with timer.phase("accept"):
             n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
         stats.record_step(n_new, node_budget)
-        active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+        active = _retire(rows, active, ragged, drafter, config.max_length, pad_finished)
         out_stream.flush(active)
     while active:
         started = time.perf_counter()
@@ -158,11 +157,9 @@ def dart_decode(
         if single:
             policy.start()
         drafted = _drafting_seconds(timer)
-        trees = TreeBatch.stack(
-            [drafters[b].propose(rows.text(b), config.max_length - rows.length(b) - 1, timer, budget)
-             .to(model.device) for b in active],
-            fill=int(pad_id) if pad_id is not None else 0,
-        )
+        trees = drafter.propose([rows.text(b)[0] for b in active], [config.max_length - rows.length(b) - 1
+                                                                  for b in active], timer, budget,
+                                fill=int(pad_id) if pad_id is not None else 0).to(model.device)
         with timer.phase("verify"):
             logits, tree_aux = verify_batch(model, trees, ragged, aux_ids)
         with timer.phase("accept"):
@@ -179,7 +176,7 @@ def dart_decode(
             wall = time.perf_counter() - started
             for i, b in enumerate(active):
                 path = step.paths[i, : lengths[i]]
-                drafters[b].advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]])
+                drafter.advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]], row=i)
             n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
         if single:
             policy.observe_tree(trees.trees[0], step.paths[0, : lengths[0]].to(trees.tokens.device), budget)
@@ -188,7 +185,7 @@ def dart_decode(
                            drafted_before, wall)
         drafted_before = budget > 0
         stats.record_step(n_new, budget)
-        active = _retire(rows, active, ragged, drafters, config.max_length, pad_finished)
+        active = _retire(rows, active, ragged, drafter, config.max_length, pad_finished)
         if ragged_rows:
             ragged.compact()
         out_stream.flush(active)
@@ -315,9 +312,9 @@ def _row_stop(rows: Rows, b: int, step: BatchAccepted, i: int, stopping_criteria
     return n if stop is None else stop
 
 
-def _retire(rows: Rows, active: list[int], ragged: RaggedCache, drafters: dict, max_length: int,
+def _retire(rows: Rows, active: list[int], ragged: RaggedCache, drafter: DartDrafter | None, max_length: int,
             pad_finished: bool) -> list[int]:
-    """Drop the rows that need no more tokens from the batch (and their drafters); returns the active rows."""
+    """Drop the rows that need no more tokens from the batch (and from the drafter); returns the active rows."""
     all_done = all(d is not None for d in rows.done)
     final = max((d for d in rows.done if d is not None), default=0)
 
@@ -331,11 +328,10 @@ def _retire(rows: Rows, active: list[int], ragged: RaggedCache, drafters: dict, 
     keep = [i for i, b in enumerate(active) if not finished(b)]
     if len(keep) == len(active):
         return active
-    for i, b in enumerate(active):
-        if i not in keep:
-            drafters.pop(b, None)
     if keep:
         ragged.select(torch.tensor(keep, device=ragged.valid.device))
+        if drafter is not None:
+            drafter.select(keep)
     return [active[i] for i in keep]
 
 

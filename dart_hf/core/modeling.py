@@ -129,33 +129,34 @@ class DartMidLayer(nn.Module):
 
 @dataclass
 class HeadKVCache:
-    """Keys/values of the head's REAL positions, preallocated (gpt-fast style) and grown by doubling."""
+    """Keys/values of the head's REAL positions for one or more rows, preallocated (gpt-fast style) and grown by
+    doubling: k / v [rows, kv heads, capacity, head dim]; row r holds `lengths[r]` positions."""
 
     k: torch.Tensor
     v: torch.Tensor
-    length: int = 0
+    lengths: torch.Tensor
 
     @classmethod
-    def empty(cls, config: DartConfig, device, dtype, capacity: int = 256) -> "HeadKVCache":
-        shape = (1, config.num_key_value_heads, capacity, config.head_dim)
-        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+    def empty(cls, config: DartConfig, device, dtype, capacity: int = 256, rows: int = 1) -> "HeadKVCache":
+        shape = (rows, config.num_key_value_heads, capacity, config.head_dim)
+        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype),
+                   torch.zeros(rows, dtype=torch.long, device=device))
 
-    def extend(self, k_new: torch.Tensor, v_new: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's new keys/values after the cached ones and return views over cached + new.
+    @property
+    def length(self) -> int:
+        """Positions of a one-row cache (a host read)."""
+        return int(self.lengths[0])
 
-        Only the first `keep` new rows (the real positions) stay cached; the MASK rows behind them are
-        overwritten by the next step. No per-step copy of the whole cache.
-        """
-        n = k_new.shape[2]
-        if self.length + n > self.k.shape[2]:
-            cap = max(2 * self.k.shape[2], self.length + n)
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` slots per row (doubling), keeping what is cached."""
+        if slots > self.k.shape[2]:
+            cap = max(2 * self.k.shape[2], slots)
             grow = lambda t: torch.cat([t, t.new_empty(*t.shape[:2], cap - t.shape[2], t.shape[3])], dim=2)
             self.k, self.v = grow(self.k), grow(self.v)
-        end = self.length + n
-        self.k[:, :, self.length : end] = k_new
-        self.v[:, :, self.length : end] = v_new
-        self.length += keep
-        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (finished rows leave a batch)."""
+        self.k, self.v, self.lengths = self.k[rows], self.v[rows], self.lengths[rows]
 
 
 class TargetModules(NamedTuple):
@@ -361,8 +362,8 @@ class DartHead(DartPreTrainedModel):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     # ------------------------------------------------------------------ inference step
-    def new_cache(self, capacity: int = 256) -> HeadKVCache:
-        return HeadKVCache.empty(self.config, self.fc.weight.device, self.fc.weight.dtype, capacity)
+    def new_cache(self, capacity: int = 256, rows: int = 1) -> HeadKVCache:
+        return HeadKVCache.empty(self.config, self.fc.weight.device, self.fc.weight.dtype, capacity, rows)
 
     @torch.no_grad()
     def draft(
@@ -373,8 +374,8 @@ class DartHead(DartPreTrainedModel):
         depth: int | None = None,
         target_modules: TargetModules | None = None,
     ) -> torch.Tensor:
-        """One drafting forward. Returns logits [depth, draft vocab] for the `depth` tokens after the bonus token
-        (default and at most K + 1).
+        """One drafting forward for one row (`draft_rows` for several). Returns logits [depth, draft vocab] for the
+        `depth` tokens after the bonus token (default and at most K + 1).
 
         `aux_hidden` [1, r, 3 * target_hidden] are the target states of the r positions the head has not seen,
         `next_tokens` [1, r] the token that follows each of them (the last one is the bonus token).
@@ -382,29 +383,69 @@ class DartHead(DartPreTrainedModel):
         same, and a tree of B nodes never reaches past depth B (on a CPU picking 3-4 nodes, 3 of 8 rows).
         `target_modules`: the target's embedding / lm_head (default: those of `bind_target`).
         """
+        r = aux_hidden.shape[1]
+        real = torch.full((1,), r, dtype=torch.long, device=cache.lengths.device)
+        depth = self.config.num_predictions if depth is None else depth
+        cache.reserve(cache.length + r + depth - 1)
+        logits = self.draft_rows(aux_hidden, next_tokens, real, cache.k, cache.v, cache.lengths, depth,
+                                 target_modules, kv_len=cache.length + r + depth - 1)
+        cache.lengths += real
+        return logits[0]
+
+    @torch.no_grad()
+    def draft_rows(
+        self,
+        aux_hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        real: torch.Tensor,
+        cache_k: torch.Tensor,
+        cache_v: torch.Tensor,
+        lengths: torch.Tensor,
+        depth: int,
+        target_modules: TargetModules | None = None,
+        kv_len: int | None = None,
+    ) -> torch.Tensor:
+        """One drafting forward over several rows, on fixed shapes. Returns float logits [rows, depth, draft vocab].
+
+        aux_hidden [B, R, 3 * target_hidden] / next_tokens [B, R]: each row's new positions, its first real[b] real
+        (the rest: any value). cache_k / cache_v [B, kv heads, slots, head dim] hold lengths[b] positions of row b;
+        its real positions' keys/values are written after them (slot lengths[b] + i), its K = depth - 1 MASK rows'
+        at lengths[b] + R + j, where the next call overwrites them; the caller adds `real` to `lengths`. A query sees
+        its row's real slots (up to lengths[b] + real[b]) and, for MASK row j, MASK slots 0..j; RoPE places real row
+        i at lengths[b] + i and MASK row j at lengths[b] + real[b] + j, as one forward over the real rows followed by
+        the MASK rows would. No host sync: the compiled step (`static_step`) runs it on fixed-size caches.
+        kv_len: attend to the first kv_len slots only (a Python int >= max(lengths) + R + K; default: all)."""
         full = self.config.num_predictions
-        depth = full if depth is None else depth
         if not 1 <= depth <= full:
             raise ValueError(f"draft depth must be in 1..{full} (the head predicts K + 1 = {full} tokens), got {depth}")
         modules = self._target_modules(target_modules)
-        r, k_slots = aux_hidden.shape[1], depth - 1
+        b, r = next_tokens.shape
+        k_slots, dev = depth - 1, next_tokens.device
         real_x, real_res = self._layer_inputs(aux_hidden, next_tokens, modules)
-        mask_x, mask_res = self._mask_inputs(real_x[:, -1:], k_slots)
+        last = (real - 1).view(b, 1, 1)
+        last_x = real_x.gather(1, last.expand(-1, 1, real_x.shape[2]))
+        mask_x, mask_res = self._mask_inputs(last_x, k_slots)
         x = torch.cat([real_x, mask_x], dim=1)
-        past = cache.length
-        positions = torch.arange(past, past + r + k_slots, device=x.device).unsqueeze(0)
+        row = torch.arange(r + k_slots, device=dev)
+        positions = lengths.view(b, 1) + torch.where(row < r, row, real.view(b, 1) + row - r)
         cos, sin = self.rotary_emb(x, positions)
         attn = self.midlayer.self_attn
-        # Only the last real row and the MASK rows predict: queries for those; keys/values for all new rows.
-        rows = slice(r - 1, r + k_slots)
-        q = attn.queries(x[:, rows], cos[:, rows], sin[:, rows])
-        k, v = attn.keys_values(x, cos, sin)
-        keys, values = cache.extend(k, v, keep=r)
-        q_pos = torch.arange(r - 1, r + k_slots, device=x.device).unsqueeze(1) + past
-        mask = torch.arange(past + r + k_slots, device=x.device).unsqueeze(0) <= q_pos
-        out = attn.attend(q, keys, values, mask)
-        residual = torch.cat([real_res[:, -1:], mask_res], dim=1)
-        return self._project(self._mlp_out(residual, out), modules)[0].float()
+        queries = torch.cat([last.view(b, 1), torch.arange(r, r + k_slots, device=dev).expand(b, k_slots)], dim=1)
+        pick = lambda t: t.gather(1, queries.unsqueeze(2).expand(-1, -1, t.shape[2]))
+        q = attn.queries(pick(x), pick(cos), pick(sin))
+        keys, values = attn.keys_values(x, cos, sin)
+        slots = (lengths.view(b, 1) + row).view(b, 1, r + k_slots, 1).expand_as(keys)
+        cache_k.scatter_(2, slots, keys)
+        cache_v.scatter_(2, slots, values)
+        kv_k, kv_v = (cache_k, cache_v) if kv_len is None else (cache_k[:, :, :kv_len], cache_v[:, :, :kv_len])
+        slot = torch.arange(kv_k.shape[2], device=dev).view(1, 1, -1)
+        seen = slot < (lengths + real).view(b, 1, 1)
+        start = (lengths + r).view(b, 1, 1)
+        own = (slot >= start) & (slot <= start + torch.arange(k_slots, device=dev).view(1, k_slots, 1))
+        mask = torch.cat([seen, seen | own], dim=1).unsqueeze(1)  # [B, 1, 1 + K, slots]
+        out = attn.attend(q, kv_k, kv_v, mask)
+        residual = torch.cat([real_res.gather(1, last.expand(-1, 1, real_res.shape[2])), mask_res], dim=1)
+        return self._project(self._mlp_out(residual, out), modules).float()
 
     # ------------------------------------------------------------------ training forward
     def forward(

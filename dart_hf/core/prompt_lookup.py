@@ -21,32 +21,42 @@ def lookup_continuation(
     """(tokens [length], valid [length]): the `length` tokens that followed the latest earlier occurrence of the
     longest n-gram (max_ngram down to min_ngram) that the text ends with; `valid` is False past the end of the text
     or everywhere when nothing matches. The text is `context` [T], or its first `used` tokens (a 0-d tensor: the
-    compiled step's fixed-size text buffer, where every shape stays T)."""
-    t = context.numel()
-    device = context.device
-    end = torch.tensor(t, device=device) if used is None else used
-    start = torch.full((), -1, dtype=torch.long, device=device)
+    compiled step's fixed-size text buffer, where every shape stays T). `lookup_continuations` for one row."""
+    end = None if used is None else used.view(1)
+    tokens, valid = lookup_continuations(context.unsqueeze(0), length, min_ngram, max_ngram, end)
+    return tokens[0], valid[0]
+
+
+def lookup_continuations(
+    texts: torch.Tensor, length: int, min_ngram: int = 2, max_ngram: int = 4, used: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lookup_continuation` of every row of `texts` [B, T] at once: row b's text is its first used[b] tokens
+    (default: all T; pad the rest with -1, which no text token equals). Returns tokens, valid [B, length]."""
+    rows, t = texts.shape
+    device = texts.device
+    end = torch.full((rows,), t, device=device) if used is None else used.to(device).view(rows)
+    start = torch.full((rows,), -1, dtype=torch.long, device=device)
     for n in range(min_ngram, max_ngram + 1):  # a longer match overrides a shorter one
         if t <= n:
             break
-        windows = context.unfold(0, n, 1)  # every n-gram; those starting before the final one count
-        ending = context.index_select(0, (end - n + torch.arange(n, device=device)).clamp(min=0))
-        index = torch.arange(windows.shape[0], device=device)
-        hit = (windows == ending).all(dim=1) & (index < end - n)
-        latest = torch.where(hit, index, -1).max()
+        windows = texts.unfold(1, n, 1)  # every n-gram; those starting before the final one count
+        ending = texts.gather(1, (end.view(rows, 1) - n + torch.arange(n, device=device)).clamp(min=0))
+        index = torch.arange(windows.shape[1], device=device)
+        hit = (windows == ending.unsqueeze(1)).all(dim=2) & (index < (end - n).view(rows, 1))
+        latest = torch.where(hit, index, -1).max(dim=1).values
         start = torch.where(latest >= 0, latest + n, start)
-    index = start + torch.arange(length, device=device)
-    valid = (start >= 0) & (index < end)
-    return context[index.clamp(0, max(t - 1, 0))], valid
+    index = start.view(rows, 1) + torch.arange(length, device=device)
+    valid = (start >= 0).view(rows, 1) & (index < end.view(rows, 1))
+    return texts.gather(1, index.clamp(0, max(t - 1, 0))), valid
 
 
 def lookup_for_tree(
-    context: torch.Tensor, length: int, config, device: torch.device, used: torch.Tensor | None = None
+    texts: torch.Tensor, length: int, config, device: torch.device, used: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`lookup_continuation` with a head config's n-gram range, on the head's device: the `lookup` argument of
-    `dart_hf.core.tree.build_tree`."""
-    tokens, valid = lookup_continuation(context, length, config.lookup_min_ngram, config.lookup_max_ngram, used)
+    """`lookup_continuations` of rows `texts` [B, T] (each its first used[b] tokens) with a head config's n-gram
+    range, on the head's device: the `lookup` argument of `dart_hf.core.tree.build_trees`."""
+    tokens, valid = lookup_continuations(texts, length, config.lookup_min_ngram, config.lookup_max_ngram, used)
     return tokens.to(device), valid.to(device)
 
 
-__all__ = ["lookup_continuation", "lookup_for_tree"]
+__all__ = ["lookup_continuation", "lookup_continuations", "lookup_for_tree"]

@@ -141,32 +141,12 @@ class StepSpec:
 
 # ------------------------------------------------------------------------------------------------ the step's parts
 def head_draft(head: DartHead, modules: TargetModules, s: StaticHeadState, depth: int) -> torch.Tensor:
-    """`DartHead.draft` on fixed shapes: the M pending rows (n_pend real) + depth - 1 MASK rows. Real rows' keys go to
-    slots head_len + i, MASK rows' to head_len + M + j (overwritten next step); a query sees the real slots before
-    head_len + n_pend and, for MASK row j, MASK slots 0..j. Returns logits [depth, draft vocab]."""
-    k, m = depth - 1, s.pend_tok.shape[1]
-    dev = s.pend_tok.device
-    real_x, real_res = head._layer_inputs(s.pend_aux, s.pend_tok, modules)
-    last = (s.n_pend - 1).view(1)
-    mask_x, mask_res = head._mask_inputs(real_x.index_select(1, last), k)
-    x = torch.cat([real_x, mask_x], dim=1)
-    row = torch.arange(m + k, device=dev)
-    positions = s.head_len + torch.where(row < m, row, s.n_pend + row - m)
-    cos, sin = head.rotary_emb(x, positions.unsqueeze(0))
-    attn = head.midlayer.self_attn
-    queries = torch.cat([last, torch.arange(m, m + k, device=dev)])
-    q = attn.queries(x[:, queries], cos[:, queries], sin[:, queries])
-    keys, values = attn.keys_values(x, cos, sin)
-    s.head_k.index_copy_(2, s.head_len + row, keys)
-    s.head_v.index_copy_(2, s.head_len + row, values)
-    slot = torch.arange(s.head_k.shape[2], device=dev)
-    seen = slot < s.head_len + s.n_pend
-    own = (slot >= s.head_len + m) & (slot <= s.head_len + m + torch.arange(k, device=dev).unsqueeze(1))
-    mask = torch.cat([seen.unsqueeze(0), seen | own])
-    out = attn.attend(q, s.head_k, s.head_v, mask)
-    residual = torch.cat([real_res.index_select(1, last), mask_res], dim=1)
+    """`DartHead.draft_rows` on the call's fixed buffers: the M pending rows (n_pend real) + depth - 1 MASK rows,
+    attending over every head-KV slot. Returns logits [depth, draft vocab]."""
+    logits = head.draft_rows(s.pend_aux, s.pend_tok, s.n_pend.view(1), s.head_k, s.head_v, s.head_len.view(1), depth,
+                             modules)
     s.head_len.add_(s.n_pend)
-    return head._project(head._mlp_out(residual, out), modules)[0].float()
+    return logits[0]
 
 
 def draft_tree(head: DartHead, modules: TargetModules, s: StaticHeadState, spec: StepSpec, ngram,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import DraftTree
+from .tree import DraftTree, DraftTrees
 
 
 @dataclass
@@ -36,6 +36,22 @@ class TreeBatch:
     def real(self) -> torch.Tensor:
         """[rows, N]: True for a row's own nodes, False for its padding."""
         return torch.arange(self.width, device=self.tokens.device) < self.sizes.unsqueeze(1)
+
+    @classmethod
+    def from_trees(cls, trees: DraftTrees, fill: int = 0) -> "TreeBatch":
+        """The batched search's trees (`tree.build_trees`), padding tokens set to `fill`; reads the sizes back once
+        (the per-row trees of the acceptance walk and the budget statistics)."""
+        sizes = trees.sizes.tolist()
+        real = torch.arange(trees.tokens.shape[1], device=trees.tokens.device) < trees.sizes.unsqueeze(1)
+        tokens = torch.where(real, trees.tokens, fill)
+        return cls(tokens, trees.parents, trees.depths, trees.ancestor_mask, trees.sizes,
+                   [trees.row(r, n) for r, n in enumerate(sizes)])
+
+    def to(self, device: torch.device) -> "TreeBatch":
+        if self.tokens.device == torch.device(device):
+            return self
+        return TreeBatch(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.ancestor_mask,
+                                                   self.sizes)), [t.to(device) for t in self.trees])
 
     @classmethod
     def stack(cls, trees: list[DraftTree], fill: int = 0) -> "TreeBatch":

@@ -95,7 +95,7 @@ class DartCandidateGenerator(CandidateGenerator):
             self.seen += rows
         max_new = self.max_length - input_ids.shape[1] - 1
         if not is_first_iteration and max_new > 0:
-            tree = self.drafter.propose(input_ids, max_new, self.timer)
+            tree = self.drafter.propose([input_ids[0]], [max_new], self.timer).trees[0]
             chain = tree.tokens[tree.best_chain()[1:]].to(input_ids.device)
             input_ids = torch.cat([input_ids, chain.unsqueeze(0)], dim=1)
         self._proposed_at = time.perf_counter()
