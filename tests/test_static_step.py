@@ -256,3 +256,22 @@ def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
     out = target.generate(ids, assistant_model=head, dart_node_budget=4, cache_implementation="static",
                           compile_config=config, **kw)
     assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+
+
+def test_past_dynamos_recompile_limit_the_step_runs_uncompiled_and_says_so(qwen3):
+    """dynamo keeps a bounded number of graphs per function (every target, budget and cache size is one); past it,
+    a fullgraph compile raises before running, and the call goes on with the static step uncompiled, exactly."""
+    import torch._dynamo
+
+    target, head = qwen3
+    ids = prompts(1, seed=60)[0]
+    ref = target.generate(ids, do_sample=False, max_new_tokens=12)
+    torch._dynamo.reset()  # this test's graphs only
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for budget in (2, 3):  # a second graph of greedy_step
+            stats = dart_hf.DartStats()
+            out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12,
+                                  dart_node_budget=budget, cache_implementation="static",
+                                  compile_config=compile_config(), dart_stats=stats)
+            assert torch.equal(out, ref)
+    assert stats.static and not stats.compiled and "refused another graph of greedy_step" in stats.static_reason

@@ -149,6 +149,8 @@ def dart_decode(
         stats.record_step(n_new, node_budget)
         active = _retire(rows, active, ragged, drafter, config.max_length, pad_finished)
         out_stream.flush(active)
+    if static is not None and static.fallback:
+        stats.compiled, stats.static_reason = False, static.fallback
     while active:
         started = time.perf_counter()
         single = policy is not None and len(active) == 1  # the single-row rule times whole steps

@@ -257,6 +257,7 @@ class StaticStep:
         self.target, self.head = target, head
         self.cache: StaticCache | None = None  # set by `static_call`
         self.compile_options: dict | None = None  # torch.compile options (None: the static step runs eagerly)
+        self.fallback: str | None = None  # why the step stopped being compiled mid-call (`_run`)
         self.modules = TargetModules.of(target)
         config = head.config
         params = TreeSearchParams.from_config(config, node_budget=node_budget)
@@ -310,8 +311,7 @@ class StaticStep:
         captured and timed one by one (phases draft = head + tree search, verify, accept). Sampling or processors:
         the captured draft and verify, the acceptance walk (`accept_walk`, eager: one draw per token as plain
         `generate`), the captured `commit`."""
-        run = lambda fn, *args: compiled(fn, self.compile_options)(*args)
-        s, spec = self.state, self.spec
+        run, s, spec = self._run, self.state, self.spec
         if greedy and not timer.requested:
             with timer.phase("step"):
                 length, tokens = run(greedy_step, self.target, self.head, self.modules, self.cache, s, spec,
@@ -331,6 +331,21 @@ class StaticStep:
                 aux)
         return BatchAccepted(paths=walk.path.unsqueeze(0), lengths=torch.tensor([n]), tokens=walk.tokens.unsqueeze(0),
                              scores=walk.scores.unsqueeze(0), logits=walk.logits.unsqueeze(0))
+
+
+    def _run(self, fn, *args):
+        """`fn` compiled (the call's options), or uncompiled once torch.compile refused to capture it again: dynamo
+        keeps at most `recompile_limit` graphs per function (8), and every (target, budget, cache size) is one; the
+        refusal comes before the graph runs, so the state is untouched and the step runs uncompiled for the rest of the
+        call (`fallback` says so in the stats)."""
+        if self.compile_options is not None:
+            try:
+                return compiled(fn, self.compile_options)(*args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                self.compile_options = None
+                self.fallback = (f"torch.compile refused another graph of {fn.__name__} in this process ({err}); "
+                                 "the static step ran uncompiled from there")
+        return fn(*args)
 
 
 def _host_result(length: torch.Tensor, tokens: torch.Tensor) -> BatchAccepted:
