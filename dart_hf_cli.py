@@ -75,14 +75,17 @@ def _bench(sub) -> None:
     p.add_argument("--n", "--num-prompts", dest="n", type=int, default=5,
                    help="prompts per data set (under torchrun write --num-prompts: its launcher takes --n for its own)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
-    p.add_argument("--budget", type=int, nargs="+", default=[60],
-                   help="fixed node budget(s) of the fixed-tree methods dart_tree_<budget>")
+    p.add_argument("--budget", type=int, nargs="+", default=None,
+                   help="fixed node budget(s) of the fixed-tree methods dart_tree_<budget> (and, with --compiled, "
+                   "dart_compiled_<budget>); with --synthetic the budgets timed; without it: 60 (--synthetic: "
+                   "7 15 31 63 95)")
     p.add_argument("--runs", type=int, default=1, help="interleaved passes over the prompts (speedup: median, spread)")
     p.add_argument("--load", type=int, nargs="?", const=_cpu_count(), default=None, metavar="N",
                    help="run N busy-loop processes beside the methods (bare --load: one per core)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: plain prompt_lookup dart_chain dart_tree_<budget> "
-                   "dart_tree_auto dart_tree_auto_no_lookup (plain always runs)")
+                   "dart_tree_auto dart_tree_auto_no_lookup, with --compiled also plain_compiled dart_compiled_<budget> "
+                   "(plain always runs)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B",
                    help="batch size(s): with any B > 1, plain batched generate and the batched DART methods on "
                    "left-padded batches of B prompts, per B (1: one prompt at a time; prompts per data set: at least "
@@ -94,6 +97,16 @@ def _bench(sub) -> None:
     p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
     p.add_argument("--synthetic", action="store_true",
                    help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time static cache + torch.compile: plain_compiled (generate) and dart_compiled_<budget> "
+                   "at each --budget, one row each, with their speed-up over plain_compiled; each is first called once "
+                   "on every prompt to compile (about a minute per method for SmolLM2 on a CPU), those seconds are "
+                   "reported apart. With --synthetic: plain and DART compiled step times per budget")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled methods (\"eager\": dynamo's capture only, a quick check)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, each method once more on one prompt per data set, untimed: top-level "
+                   "aten ops and host syncs per decoding step and per new token (results.md, results.json)")
 
 
 def _sizes(text: str) -> list[int]:

@@ -7,7 +7,12 @@
 #    the verify cost curve is calibrated with CUDA syncs and written, head.stats reports the chosen budgets (~30 s);
 # 2. `dart-hf bench --synthetic` with SDPA: a random Qwen3-8B-shaped target in bf16 -> verify cost by tree size,
 #    per-phase DART step times by node budget, head + tree search share of a step (~1-2 min);
-# 3. the same with flex_attention (first call compiles the kernel; ~2-3 min).
+# 3. compiled rows on the synthetic Qwen3-8B shape: plain eager, plain static cache + torch.compile, DART eager and
+#    DART static cache + torch.compile at node budgets 1 7 60, the 60-node one also with dart_timing=True (draft =
+#    head + tree search / verify / accept), outputs compared with plain -> compiled DART step / compiled plain step
+#    (the 60-node ratio is the headline), head + tree share of a compiled step. Every compiled call compiles first
+#    (inductor, CUDA graphs): 7 compiles, ~5-8 min;
+# 4. the synthetic bench with flex_attention (first call compiles the kernel; ~2-3 min).
 # Every part has its own timeout and writes what it has; a failing part does not stop the next one.
 # It needs no download (random targets) and runs from the source tree with the machine's own torch / transformers,
 # so it fits a device machine that cannot fetch anything. The real SmolLM2 target cannot travel to such a machine
@@ -72,7 +77,12 @@ timeout 300 python -m dart_hf_cli bench --synthetic --attn sdpa --max-new-tokens
   > "$OUT/synthetic_sdpa.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_sdpa.log"
 
-echo "== 3. synthetic Qwen3-8B shape, bf16, flex_attention"
+echo "== 3. compiled rows on the synthetic Qwen3-8B shape (static cache + torch.compile), bf16, SDPA"
+timeout 600 python -m dart_hf_cli bench --synthetic --compiled --attn sdpa --budget 1 7 60 \
+  --max-new-tokens 48 --out "$OUT/synthetic_compiled" > "$OUT/synthetic_compiled.log" 2>&1
+rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 60 "$OUT/synthetic_compiled.log"
+
+echo "== 4. synthetic Qwen3-8B shape, bf16, flex_attention"
 timeout 240 python -m dart_hf_cli bench --synthetic --attn flex_attention --max-new-tokens 48 \
   --out "$OUT/synthetic_flex" > "$OUT/synthetic_flex.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_flex.log"

@@ -214,3 +214,94 @@ def test_left_pad_and_new_token_counts():
     assert bench.new_token_counts(out, 3, [1]) == [2, 3]  # up to and including the first EOS
     assert bench.new_token_counts(out, 3, []) == [3, 3]
     assert parse("--batch-size", "1", "4", "8").batch_size == [1, 4, 8] and parse().batch_size == [1]
+
+
+# ------------------------------------------------------------------------------------------ compiled rows, --profile
+# compile backend "eager": dynamo captures the graphs (fullgraph, the same guards and recompiles as inductor) without
+# generating code, seconds instead of minutes
+def compiled_methods(budget: int = 3) -> list:
+    standard = {m.name: m for m in bench.standard_methods(fixed_budget=[budget], compiled=True,
+                                                          compile_backend="eager")}
+    return [standard[n] for n in ("plain", f"dart_tree_{budget}", "plain_compiled", f"dart_compiled_{budget}")]
+
+
+def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(tiny, tmp_path):
+    target, head = tiny
+    methods = compiled_methods()
+    assert all(m.one_row_only == bench.STATIC_ONE_ROW for m in methods[2:])  # the batched bench skips them
+    data = {"x": prompts(2, seed=9)}
+    results = bench.run_bench(target, head, data, max_new_tokens=10, methods=methods, out_dir=tmp_path,
+                              progress=False, warmup=False, runs=2)
+    assert results["all_equal"] and bench.exit_status(results) == 0
+    rows = results["datasets"]["x"]
+    dart = rows["dart_compiled_3"]
+    assert dart["baseline"] == "plain_compiled" and dart["speedup_vs_baseline"] > 0
+    assert len(dart["speedup_vs_baseline_runs"]) == 2 and dart["speedup_vs_baseline_spread"][0] > 0
+    assert "baseline" not in rows["plain_compiled"] and rows["plain_compiled"]["accepted_length"] == 1.0
+    # the captured greedy step is one phase; every call ran compiled; one target forward per step plus the prefill
+    assert dart["phase_ms"]["step"] > 0 and "not_compiled" not in dart
+    assert dart["target_forwards"] == dart["steps"] + 2 * len(data["x"])
+    assert "step" not in rows["dart_tree_3"]["phase_ms"]
+    warm = results["compile_warmup"]
+    assert list(warm) == ["plain_compiled", "dart_compiled_3"]
+    assert all(w["calls"] == 2 and w["seconds"] >= w["first_call_seconds"] > 0 for w in warm.values())
+    md = (tmp_path / "results.md").read_text()
+    assert "| vs generate, static cache + compile |" in md and "| DART, static cache + compile, budget 3 |" in md
+    assert "| captured step |" in md and "Those warm-up seconds are not in any tokens/s" in md
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["datasets"]["x"]["dart_compiled_3"]["speedup_vs_baseline_runs"] == dart["speedup_vs_baseline_runs"]
+
+
+def test_compiled_flags_and_method_selection():
+    args = parse("--compiled", "--profile", "--compile-backend", "eager", "--budget", "4")
+    assert args.compiled and args.profile and args.compile_backend == "eager" and args.budget == [4]
+    defaults = parse()
+    assert not defaults.compiled and not defaults.profile and defaults.budget is None
+    assert defaults.compile_backend == "inductor"
+    assert "plain_compiled" not in {m.name for m in bench.standard_methods()}  # off by default
+    chosen = bench.selected_methods(bench.standard_methods([4], compiled=True), ["dart_compiled_4"])
+    assert [m.name for m in chosen] == ["plain", "plain_compiled", "dart_compiled_4"]  # plain and the baseline stay
+
+
+def test_profile_counts_aten_ops_and_host_syncs_per_step(tiny, tmp_path):
+    target, head = tiny
+    results = bench.run_bench(target, head, {"x": prompts(1, seed=10)}, max_new_tokens=12, methods=compiled_methods(),
+                              out_dir=tmp_path, progress=False, warmup=False, profile=True)
+    profile = results["profile"]["datasets"]["x"]
+    assert list(profile) == ["plain", "dart_tree_3", "plain_compiled", "dart_compiled_3"]
+    for r in profile.values():
+        assert isinstance(r["aten_ops"], int) and isinstance(r["host_syncs"], int) and r["steps"] > 0
+        assert r["aten_ops"] > 0 and r["host_syncs"] > 0 and r["new_tokens"] == 12
+        assert r["aten_ops_per_step"] == pytest.approx(r["aten_ops"] / r["steps"])
+        assert r["host_syncs_per_token"] == pytest.approx(r["host_syncs"] / 12)
+    assert profile["plain"]["steps"] == profile["plain_compiled"]["steps"] == 12  # plain: a step per new token
+    static = profile["dart_compiled_3"]
+    assert static["steps"] == results["datasets"]["x"]["dart_compiled_3"]["steps"]
+    # The static greedy step reads the device once per step (`static_step._host_result`: one tolist of length +
+    # tokens). The loop's bookkeeping then reads two host tensors per step (`loop._append`: the stop positions and the
+    # lengths, tolist; on a GPU they are CPU tensors already, no sync, but on this CPU every read counts), and a
+    # few reads fall outside the steps (prefill, first token, the end): 3 per step plus at most 10.
+    assert static["host_reads"]["tolist"] <= 3 * static["steps"] + 10
+    assert static["host_syncs"] <= 3 * static["steps"] + 10
+    assert static["host_syncs_per_step"] < profile["dart_tree_3"]["host_syncs_per_step"]  # the eager tree loop reads more
+    md = (tmp_path / "results.md").read_text()
+    assert "## Profile: aten ops and host syncs per step" in md and "| x | DART, static cache + compile, budget 3 |" in md
+    assert json.loads((tmp_path / "results.json").read_text())["profile"]["datasets"]["x"]["plain"]["steps"] == 12
+
+
+def test_synthetic_compiled_rows_on_a_tiny_shape(tmp_path):
+    """The synthetic bench's compiled rows (gpu_check.sh part 4), on CPU with a tiny shape."""
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=96, max_position_embeddings=512, tie_word_embeddings=False)
+    results = bench.run_synthetic(shape, device="cpu", dtype=torch.float32, budgets=(3,), prompt_len=16,
+                                  new_tokens=8, cost_sizes=(1, 4), repeats=1, out_dir=tmp_path, progress=False,
+                                  compiled=True, compile_backend="eager")
+    c = results["compiled"]
+    assert c["backend"] == "eager" and c["plain_step_ms"] > 0 and c["plain_equal_to_eager"]
+    assert [r["node_budget"] for r in c["budgets"]] == [3]
+    for r in c["budgets"]:
+        assert r["compiled"] and r["static_reason"] is None and r["output_equal_to_plain"]
+        assert r["step_ms"] > 0 and r["step_over_plain_compiled_step"] > 0 and 0 < r["head_and_tree_share"] < 1
+        assert set(r["phase_ms"]) == {"draft", "verify", "accept"}
+    md = (tmp_path / "synthetic.md").read_text()
+    assert "## Static cache + torch.compile (eager)" in md and "3-node DART compiled step / plain compiled step" in md
