@@ -394,8 +394,9 @@ def test_sliding_window_batches_equal_plain_batched_generate(model_type, monkeyp
     original = DartDrafter.propose
     depths = iter(list(range(1, 9)) * 40)
 
-    def propose(self, texts, max_new, timer, node_budget=None, fill=0):
-        original(self, texts, max_new, timer, node_budget, fill)  # the drafter's own state machine runs as it is
+    def propose(self, max_new, timer, node_budget=None, fill=0):
+        texts = [self.texts(b) for b in range(len(max_new))]
+        original(self, max_new, timer, node_budget, fill)  # the drafter's own state machine runs as it is
         return TreeBatch.stack([row_tree(text, limit) for text, limit in zip(texts, max_new)], fill)
 
     def row_tree(text, limit):

@@ -96,8 +96,9 @@ def oracle(monkeypatch, plain: torch.Tensor, vocab: int) -> list[int]:
     original = DartDrafter.propose
     depths = iter(list(range(1, 12)) * 10)
 
-    def propose(self, texts, max_new, timer, node_budget=None, fill=0):
-        original(self, texts, max_new, timer, node_budget, fill)  # keeps the drafter's own state machine as it is
+    def propose(self, max_new, timer, node_budget=None, fill=0):
+        texts = [self.texts(b) for b in range(len(max_new))]
+        original(self, max_new, timer, node_budget, fill)  # keeps the drafter's own state machine as it is
         (text,), (limit,) = texts, max_new
         n = text.numel()
         truth = plain[0, n : n + min(next(depths), limit)].tolist()

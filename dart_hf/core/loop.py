@@ -127,9 +127,12 @@ def dart_decode(
     with timer.phase("prefill"):
         raw, processed, first, aux = _prefill(model, input_ids, attention_mask, mask, cache, logits_processor,
                                               do_sample, aux_ids)
-        for b in range(len(rows) if drafter is not None else 0):
+        if drafter is not None:
+            drafter.start(torch.stack([input_ids[b, left] for b, left in enumerate(rows.lefts)]))
+        for b in range(len(rows) if drafter is not None else 0):  # once: rows of different left padding
             left = rows.lefts[b]
-            drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]]), row=b)
+            drafter.advance(aux[b : b + 1, left:], torch.cat([input_ids[b, left + 1 :], first[b : b + 1]])[None],
+                            rows=[b])
         if static is not None:
             static.start(input_ids, aux, first)
     ragged = RaggedCache(cache, mask.bool(), model.config)
@@ -159,8 +162,7 @@ def dart_decode(
         if single:
             policy.start()
         drafted = _drafting_seconds(timer)
-        trees = drafter.propose([rows.text(b)[0] for b in active], [config.max_length - rows.length(b) - 1
-                                                                  for b in active], timer, budget,
+        trees = drafter.propose([config.max_length - rows.length(b) - 1 for b in active], timer, budget,
                                 fill=int(pad_id) if pad_id is not None else 0).to(model.device)
         with timer.phase("verify"):
             logits, tree_aux = verify_batch(model, trees, ragged, aux_ids)
@@ -176,9 +178,9 @@ def dart_decode(
             ragged.commit(step.paths, step.lengths)
             lengths = step.lengths.tolist()  # a host read: the step's device work is done
             wall = time.perf_counter() - started
-            for i, b in enumerate(active):
-                path = step.paths[i, : lengths[i]]
-                drafter.advance(tree_aux[i : i + 1, path.to(tree_aux.device)], step.tokens[i, : lengths[i]], row=i)
+            paths = step.paths.to(tree_aux.device)
+            drafter.advance(tree_aux.gather(1, paths.unsqueeze(2).expand(-1, -1, tree_aux.shape[2])), step.tokens,
+                            lengths)
             n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
         if single:
             policy.observe_tree(trees.trees[0], step.paths[0, : lengths[0]].to(trees.tokens.device), budget)

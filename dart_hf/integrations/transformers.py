@@ -89,13 +89,15 @@ class DartCandidateGenerator(CandidateGenerator):
 
     def get_candidates(self, input_ids: torch.LongTensor, is_first_iteration: bool = False, model_outputs=None,
                        **kwargs):
-        if not is_first_iteration:  # first: the target's prefill produces the states we read
+        if is_first_iteration:
+            self.drafter.start(input_ids[:, 0])
+        else:  # first: the target's prefill produces the states we read
             rows = input_ids.shape[1] - 1 - self.seen  # the positions the latest forward verified
             self.drafter.advance(aux_states(model_outputs, self.aux_ids)[:, :rows], input_ids[:, self.seen + 1 :])
             self.seen += rows
         max_new = self.max_length - input_ids.shape[1] - 1
         if not is_first_iteration and max_new > 0:
-            tree = self.drafter.propose([input_ids[0]], [max_new], self.timer).trees[0]
+            tree = self.drafter.propose([max_new], self.timer).trees[0]
             chain = tree.tokens[tree.best_chain()[1:]].to(input_ids.device)
             input_ids = torch.cat([input_ids, chain.unsqueeze(0)], dim=1)
         self._proposed_at = time.perf_counter()
