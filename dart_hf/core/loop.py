@@ -44,7 +44,7 @@ from .distributed import check_tensor_parallel_call, shared_budget, tensor_paral
 from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .ragged import RaggedCache
-from .static_step import StaticStep, static_call
+from .static_step import static_call
 from .rows import ColumnStream, RowProcessor, Rows, final_length, result, scores_after_stop
 from .stats import DartStats, PhaseTimer
 from .stopping import fast_criteria, first_stop, first_stops

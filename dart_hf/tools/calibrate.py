@@ -21,7 +21,6 @@ passed its checks is never replaced by a noisy one: then the command says so and
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
