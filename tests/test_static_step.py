@@ -30,6 +30,20 @@ def compile_config(backend: str = "eager") -> CompileConfig:
     return config
 
 
+def assert_compiled_equals_plain(target, head, ids, config, new_tokens: int, budget: int) -> dart_hf.DartStats:
+    """Compiled DART greedy == plain eager == plain static-cache compiled `generate`, token for token."""
+    ref = target.generate(ids, do_sample=False, max_new_tokens=new_tokens)
+    compiled_plain = target.generate(ids, do_sample=False, max_new_tokens=new_tokens, cache_implementation="static",
+                                     compile_config=config)
+    stats = dart_hf.DartStats()
+    out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=new_tokens,
+                          dart_node_budget=budget, cache_implementation="static", compile_config=config,
+                          dart_stats=stats)
+    assert stats.compiled
+    assert torch.equal(compiled_plain, ref) and torch.equal(out, ref), (out, ref)
+    return stats
+
+
 @pytest.fixture(scope="module")
 def qwen3():
     target = make_target("qwen3")
@@ -197,14 +211,7 @@ def test_inductor_compiled_step_equals_plain_and_plain_compiled(qwen3):
     target, head = qwen3
     config = compile_config("inductor")
     for ids in prompts(2, seed=40):
-        ref = target.generate(ids, do_sample=False, max_new_tokens=24)
-        compiled_plain = target.generate(ids, do_sample=False, max_new_tokens=24, cache_implementation="static",
-                                         compile_config=config)
-        stats = dart_hf.DartStats()
-        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=24, dart_node_budget=6,
-                              cache_implementation="static", compile_config=config, dart_stats=stats)
-        assert stats.compiled
-        assert torch.equal(compiled_plain, ref) and torch.equal(out, ref)
+        assert_compiled_equals_plain(target, head, ids, config, new_tokens=24, budget=6)
 
 
 def test_static_call_leaves_the_generation_config_alone(llama, llama_head):
@@ -239,14 +246,7 @@ def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
     accepted = []
     for dataset in ("humaneval", "sharegpt"):
         ids = eval_prompts(tok, dataset, 1)[0]
-        ref = target.generate(ids, do_sample=False, max_new_tokens=48)
-        plain_compiled = target.generate(ids, do_sample=False, max_new_tokens=48, cache_implementation="static",
-                                         compile_config=config)
-        stats = dart_hf.DartStats()
-        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=48, dart_node_budget=4,
-                              cache_implementation="static", compile_config=config, dart_stats=stats)
-        assert stats.compiled
-        assert torch.equal(plain_compiled, ref) and torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+        stats = assert_compiled_equals_plain(target, head, ids, config, new_tokens=48, budget=4)
         accepted.append(stats.mean_accepted_length)
     assert min(accepted) > 1.3  # the head's drafts are accepted through the captured step
     kw = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=24)

@@ -129,7 +129,8 @@ def call_cache(model, model_kwargs: dict) -> DynamicCache:
     sliding-window layers made full (`ragged.decode_cache`: the verify masks apply the windows)."""
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
     if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0):
-        raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled or static cache is not supported)")
+        raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled cache is not supported; an empty "
+                         "StaticCache takes the static step)")
     return decode_cache(model.config, cache)
 
 

@@ -17,7 +17,7 @@ from .modeling import DartHead, TargetModules
 from .ngram import NGramModel
 from .prompt_lookup import lookup_for_tree
 from .stats import PhaseTimer
-from .tree import TreeSearchParams, build_trees, root_tree
+from .tree import TreeSearchParams, build_trees, last_tokens, root_tree
 from .tree_batch import TreeBatch
 
 
@@ -145,10 +145,8 @@ class DartDrafter:
     def _draft(self, depth: int) -> torch.Tensor:
         """One head forward over every row's pending positions (a row that drafts no more: one dummy position, not
         kept). Returns logits [rows, depth, draft vocab]."""
-        width = max(max(self.pending), 1)
+        width = max(self.pending)  # >= 1: `propose` drafts only when a drafting row has pending positions
         aux, tokens = self._aux[:, :width], self._tokens[:, :width]
-        if aux.shape[1] < width:  # (only dummy rows)
-            aux, tokens = aux.new_zeros(aux.shape[0], width, aux.shape[2]), tokens.new_zeros(tokens.shape[0], width)
         real = torch.tensor([max(n, 1) for n in self.pending], device=self.device)
         kv_len = max(self.lengths) + width + depth - 1
         self.cache.reserve(kv_len)
@@ -163,8 +161,7 @@ class DartDrafter:
     def _search(self, logits: torch.Tensor, used: torch.Tensor, roots: torch.Tensor, limits: list[int], depth: int):
         """`build_trees` for every row: its n-gram context, its prompt-lookup continuation, its depth limit."""
         text = self.text[:, : max(self.used)]
-        tail = used.view(-1, 1) - self.context_size + torch.arange(self.context_size, device=self.device)
-        contexts = torch.where(tail >= 0, text.gather(1, tail.clamp(min=0)), -1)
+        contexts = last_tokens(text, used, self.context_size)
         lookup = lookup_for_tree(text, depth, self.head.config, self.device, used) if self.prompt_lookup else None
         return build_trees(logits, roots, contexts, self.params, ngram=self.ngram,
                            draft_to_target=self.head.draft_to_target, eos_token_ids=self.eos,

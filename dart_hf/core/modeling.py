@@ -386,9 +386,10 @@ class DartHead(DartPreTrainedModel):
         r = aux_hidden.shape[1]
         real = torch.full((1,), r, dtype=torch.long, device=cache.lengths.device)
         depth = self.config.num_predictions if depth is None else depth
-        cache.reserve(cache.length + r + depth - 1)
+        kv_len = cache.length + r + depth - 1  # (one host read of the cache's length)
+        cache.reserve(kv_len)
         logits = self.draft_rows(aux_hidden, next_tokens, real, cache.k, cache.v, cache.lengths, depth,
-                                 target_modules, kv_len=cache.length + r + depth - 1)
+                                 target_modules, kv_len=kv_len)
         cache.lengths += real
         return logits[0]
 

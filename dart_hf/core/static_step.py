@@ -33,7 +33,7 @@ from .modeling import DartHead, TargetModules
 from .distributed import tensor_parallel_group
 from .ragged import backend_mask, decode_cache, layer_windows
 from .prompt_lookup import lookup_continuation
-from .tree import DraftTree, TreeSearchParams, build_tree
+from .tree import DraftTree, TreeSearchParams, build_tree, last_tokens
 
 SLOT_ROUNDING = 256  # cache lengths are rounded up to this, so calls of nearby lengths share one compiled graph
 
@@ -154,8 +154,7 @@ def draft_tree(head: DartHead, modules: TargetModules, s: StaticHeadState, spec:
     """Head forward + tree search: the step's tree of exactly node budget + 1 nodes (`build_tree(fixed_size=True)`),
     rooted at the text's last token, with prompt lookup over the fixed-size text buffer."""
     logits = head_draft(head, modules, s, spec.depth)
-    tail = s.text_len - spec.context + torch.arange(spec.context, device=s.text.device)
-    context = torch.where(tail >= 0, s.text.index_select(0, tail.clamp(min=0)), -1)  # -1: before the text
+    context = last_tokens(s.text.unsqueeze(0), s.text_len.view(1), spec.context)[0]
     lookup = None
     if spec.lookup is not None:
         lookup = lookup_continuation(s.text, spec.depth, *spec.lookup, used=s.text_len)
@@ -292,12 +291,9 @@ class StaticStep:
         tokens = torch.cat([input_ids[0, 1:], first.view(1)]).to(dev)
         aux = aux[0].to(dev, head.dtype)
         n = tokens.numel()
-        if n > 1:
-            x, _ = head._layer_inputs(aux[None, : n - 1], tokens[None, : n - 1], self.modules)
-            cos, sin = head.rotary_emb(x, torch.arange(n - 1, device=dev).unsqueeze(0))
-            keys, values = head.midlayer.self_attn.keys_values(x, cos, sin)
-            s.head_k[:, :, : n - 1] = keys
-            s.head_v[:, :, : n - 1] = values
+        if n > 1:  # their keys/values (the one prediction this computes is not needed)
+            head.draft_rows(aux[None, : n - 1], tokens[None, : n - 1], torch.tensor([n - 1], device=dev), s.head_k,
+                            s.head_v, s.head_len.view(1), 1, self.modules)
         s.head_len.fill_(n - 1)
         s.pend_aux[0, 0], s.pend_tok[0, 0] = aux[-1], tokens[-1]
         s.n_pend.fill_(1)

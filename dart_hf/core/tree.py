@@ -173,6 +173,13 @@ def _ranked(scores: torch.Tensor, is_eos: torch.Tensor | None) -> torch.Tensor:
     return order.gather(1, torch.sort(group.gather(1, order), dim=1, stable=True).indices)
 
 
+def last_tokens(texts: torch.Tensor, used: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, count]: the last `count` tokens of each row's text (row b: the first used[b] of texts[b]), -1 before it
+    starts: the n-gram context of a tree search."""
+    tail = used.view(-1, 1) - count + torch.arange(count, device=texts.device)
+    return torch.where(tail >= 0, texts.gather(1, tail.clamp(min=0)), -1)
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     root_token: torch.Tensor,
@@ -196,9 +203,8 @@ def build_tree(
     has fewer real candidates than the budget; verifying it is harmless (its token is checked like any other).
     """
     hist_len = max(ngram.context_size if ngram is not None else 0, 1)
-    ctx = context[-hist_len:].to(device=draft_logits.device, dtype=torch.long)
-    if ctx.numel() < hist_len:
-        ctx = torch.cat([ctx.new_full((hist_len - ctx.numel(),), -1), ctx])
+    text = context.to(device=draft_logits.device, dtype=torch.long).view(1, -1)
+    ctx = last_tokens(text, torch.tensor([text.shape[1]], device=text.device), hist_len)[0]
     depths = None if max_depth is None else torch.tensor([max_depth], device=draft_logits.device)
     trees = build_trees(
         draft_logits.unsqueeze(0), root_token.view(1), ctx.unsqueeze(0), params, ngram=ngram,
