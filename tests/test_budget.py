@@ -528,25 +528,59 @@ def test_measured_verify_scale_per_tree_size_corrects_the_curves_shape():
     assert batch_budget(policy, 8) == 0
 
 
-def test_the_batch_loop_probes_the_other_side_once_in_32_steps():
-    """While the rule says plain decoding one step in 32 drafts (best tree); while it says a tree, one step in 32
-    is plain decoding."""
+def _batched_steps(policy, rows: int, steps: int, seconds) -> list[int]:
+    """`steps` batched steps of the loop's budget rule, each observed as `seconds(budget)` of verify (no drafting
+    cost) and an acceptance of 2 draft tokens per row."""
     from dart_hf.core.loop import _step_budget
 
+    seq = []
+    for _ in range(steps):
+        budget = _step_budget(policy, 5, rows)
+        seq.append(budget)
+        with policy.lock:
+            policy.batch_times.observe(rows, budget, rows * (budget + 1), seconds(budget))
+    return seq
+
+
+def test_batch_probes_are_paced_by_their_expected_loss():
+    """While the rule says draft, plain decoding runs as paced probes (a step's time x probe_share / its expected
+    loss apart); while it says plain decoding, drafting probes come rarer the dearer they are expected to be. The
+    pacing lives in the policy, so it carries across calls."""
     sizes = [1, 2, 4, 8, 16, 32, 64]
-    policy = informed_policy(VerifyCost(sizes, [0.010] * len(sizes)))  # flat: drafting pays
-    seq, probe = [], 0
-    for _ in range(64):
-        budget, probe = _step_budget(policy, 5, 4, probe)
-        seq.append(budget)
-    assert seq.count(0) == 2 and seq[31] == 0 and seq[63] == 0 and min(seq[:31]) > 0
-    steep = informed_policy(VerifyCost(sizes, [0.010 * n for n in sizes]))  # linear from the first token: plain
-    seq, probe = [], 0
-    for _ in range(64):
-        budget, probe = _step_budget(steep, 5, 4, probe)
-        seq.append(budget)
-    assert [i for i, b in enumerate(seq) if b > 0] == [31, 63]
-    assert _step_budget(None, 5, 4, 0) == (5, 0)
+    flat = VerifyCost(sizes, [0.010] * len(sizes))  # drafting pays
+    seq = _batched_steps(informed_policy(flat), 4, 400, lambda b: 0.010)
+    plain = [i for i, b in enumerate(seq) if b == 0]
+    assert 2 <= len(plain) <= 40 and min(seq) == 0 and max(seq) > 0, plain  # probes, far apart
+    assert min(np.diff(plain)) >= 10, plain
+    steep = VerifyCost(sizes, [0.010 * n for n in sizes])  # linear from the first token: plain decoding
+    policy = informed_policy(steep)
+    seq = _batched_steps(policy, 4, 400, lambda b: 0.010 * 4 * (b + 1))
+    drafted = [i for i, b in enumerate(seq) if b > 0]
+    # a 2-node probe loses 6.8 ms against plain's 40 ms step: one probe per 0.68 s / 0.04 s = 17 plain steps
+    assert len(drafted) >= 10 and set(np.diff(drafted)) == {18}, drafted
+    dear = informed_policy(steep)  # the same, with drafting probes 10x dearer: rarer
+    with dear.lock:
+        dear.batch_times.observe(4, 1, 8, 0.08, draft_seconds=4 * 0.4, steady=False)
+    seq = _batched_steps(dear, 4, 400, lambda b: 0.010 * 4 * (b + 1))
+    assert len([b for b in seq if b > 0]) < len(drafted) / 4
+    from dart_hf.core.loop import _step_budget
+
+    assert _step_budget(None, 5, 4) == 5  # a fixed budget stays fixed
+
+
+def test_without_a_curve_the_batch_rule_measures_plain_and_tree_and_keeps_the_faster():
+    """No verify-cost curve (a new user): the candidates are plain decoding and one tree; the batch rule times both
+    (flat curve: s(n) is the measured time) and decodes plainly where the tree's step is too dear for what it
+    accepts, drafting where it pays."""
+    from dart_hf.core.batch_budget import batch_budget
+
+    for tree_seconds, want in ((0.5, 0), (0.012, 3)):
+        policy = BudgetPolicy(None, device_type="cpu")
+        for k in range(60):
+            policy.observe(policy.largest, list(range(k % 3)))  # E[accepted | 3] = 1
+        assert batch_budget(policy, 8) == 3  # only its acceptance known: the tree's time is priced as plain's
+        seq = _batched_steps(policy, 8, 300, lambda b: tree_seconds if b else 0.010)
+        assert batch_budget(policy, 8) == want and seq[-50:].count(want) >= 45, (tree_seconds, seq[-50:])
 
 
 def test_batch_check_measures_batched_verifies_beside_one_row_of_as_many_tokens():
@@ -576,7 +610,8 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
     texts = prompts(3, seed=9)
     head = head_with_ngram(target, texts, node_budget=None)
     script = [7, 7, 0, 3, 0, 1, 1, 0]
-    monkeypatch.setattr(loop, "_step_budget", lambda policy, fixed, rows, probe: (script[probe % 8], probe + 1))
+    calls = iter(range(10**6))
+    monkeypatch.setattr(loop, "_step_budget", lambda policy, fixed, rows: script[next(calls) % 8])
     batched, observe = [], loop._observe_batch  # the steps with more than one active row (one row: its own rule)
     monkeypatch.setattr(loop, "_observe_batch", lambda policy, trees, step, lengths, budget, *rest: (
         batched.append(budget), observe(policy, trees, step, lengths, budget, *rest)))

@@ -5,12 +5,16 @@
 
 the verify of R rows x (n + 1) tokens priced as one row of as many tokens (measured within ~15% on a 2-core CPU,
 `dart-hf calibrate --batch`), s(n) the recent batched verifies' measured / predicted time at n (the load now, and the
-curve's own error there), D(n) each row's head forward + tree search as recent batched steps measured it. Every row
-drafts alone, so D grows the step by R * D(n) and large batches fall back to plain decoding first; a tree must
-promise `batch_margin` more than plain decoding. Where phase times are not exact (CUDA without `dart_timing`), the
-loop observes whole steps, which end in a host read, as s(n) alone (D = 0): the rule learns on every device. The batch
-loop keeps both sides measured: one step in 32 drafts
-while the rule says plain decoding, and is plain decoding while it says draft.
+curve's own error there), D(n) each row's head forward + tree search as recent batched steps measured it. A tree
+must promise `batch_margin` more than plain decoding. Without a curve (`dart-hf calibrate` not run) the curve is flat,
+so s(n) is the measured verify time at n itself. Where phase times are not exact (CUDA without `dart_timing`), the
+loop observes whole steps, which end in a host read, as s(n) alone (D = 0): the rule learns on every device.
+
+Probes keep both sides measured: a drafting step while the rule says plain decoding (the acceptance is otherwise
+never seen again), a plain step while it says draft. As for one row, a probe waits until `probe_share` of the
+batched time since the last probe exceeds the probe's expected loss; a drafting probe follows plain steps, so its
+head catches up on every position since, and it is priced with that catch-up cost (so a large batch where drafting
+does not pay probes rarely).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from .cost import nearest_size
 
 class BatchTimes:
     """What batched steps measured, per candidate budget of `policy` (the `dart_hf.core.budget.BudgetPolicy` that
-    owns it; imported by it): verify time / the curve's (and over all budgets), and per-row drafting seconds (steady
-    steps, and any drafting step)."""
+    owns it; imported by it): verify time / the curve's (and over all budgets), per-row drafting seconds (steady
+    steps, and any drafting step), and the probes' pacing. Guarded by `policy.lock`."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -35,6 +39,13 @@ class BatchTimes:
         self.scale_all: deque = deque(maxlen=k.batch_window)
         self.draft = {b: deque(maxlen=k.window) for b in trees}  # steady drafting steps
         self.draft_any = {b: deque(maxlen=k.window) for b in trees}  # any drafting step
+        self.since_probe = 0.0  # seconds of batched steps at the rule's choice since the last probe
+        self.probing = False
+
+    def curve(self, tokens) -> np.ndarray:
+        """The verify curve at `tokens`, or 1 without a curve (s(n) is then the measured time itself)."""
+        curve = self.policy.curve
+        return np.ones_like(np.asarray(tokens, dtype=float)) if curve is None else np.asarray(curve(tokens), float)
 
     def observe(self, rows: int, budget: int, tokens: int, verify_seconds: float, draft_seconds: float = 0.0,
                 steady: bool = True) -> None:
@@ -42,31 +53,32 @@ class BatchTimes:
         size) in `verify_seconds` and spent `draft_seconds` on all rows' head forwards and tree searches.
         steady: a tree right after a tree (the first tree after plain steps has its head catch up on every position
         since: dearer). Acceptance is observed per row through `BudgetPolicy.observe`."""
-        curve = self.policy.curve
         n = min(self.policy.candidates, key=lambda b: abs(b - budget))
-        if curve is not None and verify_seconds > 0 and tokens > 0:
-            ratio = verify_seconds / max(float(curve(tokens)), 1e-9)
+        if verify_seconds > 0 and tokens > 0:
+            ratio = verify_seconds / max(float(self.curve(tokens)), 1e-9)
             self.scale[n].append(ratio)
             self.scale_all.append(ratio)
         if n > 0 and rows > 0:
             self.draft_any[n].append(draft_seconds / rows)
             if steady:
                 self.draft[n].append(draft_seconds / rows)
+        if not self.probing:
+            self.since_probe += verify_seconds + draft_seconds
 
-    def step_seconds(self, rows: int) -> np.ndarray:
+    def step_seconds(self, rows: int, catch_up: bool = False) -> np.ndarray:
         """T(rows, n) per candidate n: s(n) from the recent verifies at n (a tree size without its own: the nearest
         measured tree size's, else all sizes'; 1 before any), D(n) the median per-row drafting of recent steady
-        steps at the nearest measured n (without any steady step: of any drafting step, catch-up included: dearer,
-        never cheaper; 0 before any). n = 0: no drafting."""
+        steps at the nearest measured n (without any steady step, or with `catch_up`: of any drafting step, catch-up
+        included: dearer, never cheaper; 0 before any). n = 0: no drafting."""
         cands = self.policy.candidates
         overall = statistics.median(self.scale_all) if self.scale_all else 1.0
         measured = {b: statistics.median(s) for b, s in self.scale.items() if s}
         trees = [a for a in measured if a > 0]
         scale = np.array([measured[b] if b in measured else measured[nearest_size(trees, b)] if b and trees else overall
                           for b in cands])
-        verify = scale * np.asarray(self.policy.curve(rows * (np.asarray(cands, dtype=float) + 1)), dtype=float)
-        seen = ({b: statistics.median(d) for b, d in self.draft.items() if d}
-                or {b: statistics.median(d) for b, d in self.draft_any.items() if d})
+        verify = scale * self.curve(rows * (np.asarray(cands, dtype=float) + 1))
+        steady = {} if catch_up else {b: statistics.median(d) for b, d in self.draft.items() if d}
+        seen = steady or {b: statistics.median(d) for b, d in self.draft_any.items() if d}
         draft = np.array([seen[nearest_size(seen, b)] if b > 0 and seen else 0.0 for b in cands])
         return verify + rows * draft
 
@@ -75,13 +87,11 @@ def batch_budget(policy, rows: int, drafting_only: bool = False) -> int:
     """The node budget per row of a batched step of `rows` rows: the candidate n with the most expected tokens per
     second, rows * (1 + E[accepted | n]) / T(rows, n) (module docstring). As the batch grows, each row's tree
     shrinks, down to plain decoding (n = 0) where drafting no longer pays; a tree must promise `batch_margin` (10%)
-    more than plain decoding, as the model's times and E are each off by up to ~15%. Before any acceptance is
-    known, and without a curve: the policy's largest tree. drafting_only: the best n > 0."""
-    if policy.curve is None:
-        return policy.largest
-    expected = policy.expected_accepted()
-    if np.isnan(expected[1:]).any():
-        return policy.largest  # one step at the largest tree informs every smaller one
+    more than plain decoding, as the model's times and E are each off by up to ~15%. Before any acceptance is known:
+    `first_tree`. drafting_only: the best n > 0."""
+    expected = _expected(policy)
+    if expected is None:
+        return first_tree(policy, rows)
     tps = rows * (1.0 + expected) / np.maximum(policy.batch_times.step_seconds(rows), 1e-9)
     if drafting_only:
         tps[0] = -np.inf
@@ -91,4 +101,43 @@ def batch_budget(policy, rows: int, drafting_only: bool = False) -> int:
     return int(policy.candidates[best])
 
 
-__all__ = ["BatchTimes", "batch_budget"]
+def next_batch_budget(policy, rows: int) -> int:
+    """This batched step's budget: `batch_budget`'s choice, or a probe of the other side (module docstring). Call
+    under `policy.lock`."""
+    choice = batch_budget(policy, rows)
+    expected = _expected(policy)
+    if expected is None:
+        return choice
+    times, cands = policy.batch_times, policy.candidates
+    other = batch_budget(policy, rows, drafting_only=True) if choice == 0 else 0
+    i, j = cands.index(choice), cands.index(other)
+    seconds = times.step_seconds(rows, catch_up=other > 0)
+    at_choice = seconds[i] / (1.0 + expected[i])  # seconds per token per row at the choice
+    loss = max(seconds[j] - (1.0 + expected[j]) * at_choice, policy.knobs.batch_margin * seconds[i])
+    times.probing = times.since_probe * policy.knobs.probe_share > loss
+    if times.probing:
+        times.since_probe = 0.0
+        return other
+    return choice
+
+
+def first_tree(policy, rows: int) -> int:
+    """The tree of a batched step before any acceptance is known: the largest candidate whose batched verify is no
+    wider than the single-row rule's first tree (the largest), so that a large batch does not pay rows x 96 tokens
+    to learn what a smaller tree accepts (its acceptance informs every smaller one)."""
+    fits = [b for b in policy.candidates[1:] if rows * (b + 1) <= policy.largest + 1]
+    return fits[-1] if fits else policy.candidates[1]
+
+
+def _expected(policy) -> np.ndarray | None:
+    """E[accepted | n] per candidate, a tree larger than any observed taking the largest observed one's (a lower
+    bound: a larger tree holds the smaller one); None before any tree was observed."""
+    expected = policy.expected_accepted()
+    known = ~np.isnan(expected)
+    if not known[1:].any():
+        return None
+    last = np.maximum.accumulate(np.where(known, np.arange(len(expected)), 0))
+    return expected[last]
+
+
+__all__ = ["BatchTimes", "batch_budget", "first_tree", "next_batch_budget"]

@@ -24,8 +24,8 @@ What plain batched `generate` does, and how it is kept:
   own batch index (`rows.RowProcessor`). In a batch they are called once per row and token, not once per token for
   the batch, so state kept across calls would see other calls than in `generate` (SynthID is refused there).
 - Sampling: per row, the walk's rule (the target's own draw at each visited node, one multinomial per token). The
-  same seed gives the same text; in a batch the draws are not those of plain batched `generate`, whose single
-  multinomial per step covers all rows at once.
+  same seed gives the same text; in a batch each row draws from its own stream (`_row_streams`, seeded from torch's),
+  so the draws are not those of plain batched `generate`, whose single multinomial per step covers all rows at once.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .acceptance import Accepted, BatchAccepted, accept_greedy_batch, accept_walk
-from .batch_budget import batch_budget
+from .batch_budget import next_batch_budget
 from .budget import BudgetPolicy, budget_policy, path_ranks
 from .checks import (call_cache, check_call, check_model_inputs, check_padding, check_processors, is_batch,
                      prepare_call)
@@ -119,6 +119,7 @@ def dart_decode(
         head, model, max_length=config.max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
         eos_token_ids=config._eos_token_tensor, rows=len(rows))
     out_stream = ColumnStream(dart_streamer, rows, pad_id)
+    streams = _row_streams(len(rows), input_ids.device) if do_sample and len(rows) > 1 else None
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
@@ -144,7 +145,7 @@ def dart_decode(
     stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
     active = _retire(rows, active, ragged, drafter, config.max_length, pad_finished)
     out_stream.flush(active)
-    probe, budget, drafted_before, single = 0, node_budget, False, False
+    budget, drafted_before, single = node_budget, False, False
     while static is not None and active:  # the fixed-shape step (`static_step`): one row, one budget
         step = static.step(rows.seqs[0], logits_processor, do_sample, greedy and not keep, timer)
         with timer.phase("accept"):
@@ -157,7 +158,7 @@ def dart_decode(
     while active:
         started = time.perf_counter()
         single = policy is not None and len(active) == 1  # the single-row rule times whole steps
-        budget, probe = _step_budget(policy, node_budget, len(active), probe)
+        budget = _step_budget(policy, node_budget, len(active))
         budget = shared_budget(tp_group, budget, model)
         if single:
             policy.start()
@@ -172,7 +173,7 @@ def dart_decode(
             else:
                 step = BatchAccepted.from_rows([
                     _walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b],
-                          RowProcessor(logits_processor, b, len(rows)), do_sample)
+                          RowProcessor(logits_processor, b, len(rows)), do_sample, streams[b] if streams else None)
                     for i, b in enumerate(active)
                 ])
             ragged.commit(step.paths, step.lengths)
@@ -230,9 +231,17 @@ def _prefill(model, input_ids, attention_mask, mask, cache, logits_processor, do
     return raw, processed, processed.argmax(dim=-1), aux
 
 
-def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool) -> Accepted:
+def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool,
+          generator: torch.Generator | None = None) -> Accepted:
     """The single-row acceptance walk on one row: `context` is the row as `generate` holds it."""
-    return accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample)
+    return accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample, generator)
+
+
+def _row_streams(rows: int, device: torch.device) -> list[torch.Generator]:
+    """One random stream per row of a sampled batch, seeded from torch's own (so `torch.manual_seed` decides them):
+    a row's draws then do not depend on how many tokens the other rows accepted in a step, and the same seed gives
+    the same text whatever trees the budget chose (its choices depend on measured times)."""
+    return [torch.Generator(device=device).manual_seed(seed) for seed in torch.randint(0, 2**62, (rows,)).tolist()]
 
 
 def _observe_batch(policy: BudgetPolicy, trees: TreeBatch, step: BatchAccepted, lengths: list[int], budget: int,
@@ -259,21 +268,16 @@ def _drafting_seconds(timer: PhaseTimer) -> float:
     return timer.totals.get("draft", 0.0) + timer.totals.get("tree", 0.0)
 
 
-def _step_budget(policy: BudgetPolicy | None, fixed: int, rows: int, probe: int) -> tuple[int, int]:
-    """(this step's node budget per row, steps since the last batch probe). Fixed budgets stay fixed. The cost-aware
-    rule for one row is the policy's own (`BudgetPolicy.next_budget`: whole steps timed, paced probes); for a batch it
-    is `batch_budget.batch_budget`, and one step in 32 is a probe of the other side: drafting with the best tree
-    when the rule says plain decoding (whose acceptance would otherwise never be measured again), plain decoding when
-    it says draft (so the rule compares two measured verify times, not the curve's guess of one)."""
+def _step_budget(policy: BudgetPolicy | None, fixed: int, rows: int) -> int:
+    """This step's node budget per row. Fixed budgets stay fixed. The cost-aware rule for one row is the policy's own
+    (`BudgetPolicy.next_budget`: whole steps timed, paced probes); for a batch `batch_budget.next_batch_budget` (the
+    batch model, paced probes of the other side)."""
     if policy is None:
-        return fixed, 0
+        return fixed
     if rows == 1:
-        return policy.next_budget(), probe
+        return policy.next_budget()
     with policy.lock:
-        budget = batch_budget(policy, rows)
-        if probe >= 31:
-            return (batch_budget(policy, rows, drafting_only=True) if budget == 0 else 0), 0
-    return budget, probe + 1
+        return next_batch_budget(policy, rows)
 
 
 def _append(rows: Rows, active: list[int], step: BatchAccepted, stopping_criteria: StoppingCriteriaList,
