@@ -72,6 +72,23 @@ def compact_cache(target, cache: DynamicCache, past_len: int, path: torch.Tensor
     RaggedCache(cache, valid, target.config).commit(path.view(1, -1), torch.tensor([path.numel()]))
 
 
+def check_closed(tree) -> None:
+    """Every node's parent is in the tree and comes before it; depths agree with parents."""
+    idx = torch.arange(tree.size)
+    assert bool((tree.parents[1:] < idx[1:]).all()), "a parent must precede its child"
+    assert bool((tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()), "depth must be parent depth + 1"
+
+
+def accept_greedy(tree, logits: torch.Tensor):
+    """Greedy acceptance of one tree (`accept_greedy_batch` on a batch of one): (path, new tokens)."""
+    from dart_hf.core.acceptance import accept_greedy_batch
+    from dart_hf.core.tree import DraftTrees
+
+    step = accept_greedy_batch(DraftTrees.stack([tree]), logits.unsqueeze(0))
+    n = int(step.lengths[0])
+    return step.paths[0, :n], step.tokens[0, :n]
+
+
 def make_head(target, seed: int = 1, draft_length: int = 4, **overrides) -> dart_hf.DartHead:
     torch.manual_seed(seed)
     return dart_hf.DartHead.from_target(target, draft_length=draft_length, **overrides).eval()

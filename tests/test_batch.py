@@ -12,7 +12,7 @@ import dart_hf
 from conftest import SLIDING, make_head, make_target, prompts, sliding_target
 from dart_hf import DartStats
 from dart_hf.core.drafter import DartDrafter
-from dart_hf.core.tree_batch import TreeBatch
+from dart_hf.core.tree import DraftTrees
 from test_sliding_window import chain_tree
 from dart_hf.core import loop, ragged
 
@@ -139,7 +139,6 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
 
     from dart_hf.core.acceptance import accept_greedy_batch
     from dart_hf.core.target import cache_kwargs
-    from dart_hf.core.tree_batch import TreeBatch
     from dart_hf.core.verify import verify_batch
     from transformers import DynamicCache
 
@@ -153,7 +152,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
     state = ragged.RaggedCache(cache, mask.bool(), target.config)
     texts = [r[0] for r in rows]
     for step in range(2):
-        trees = TreeBatch.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
+        trees = DraftTrees.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
         logits = verify_batch(target, trees, state, [0])[0]
         for r, tree in enumerate(trees.trees):
             for i in range(tree.size):
@@ -415,10 +414,10 @@ def test_sliding_window_batches_equal_plain_batched_generate(model_type, monkeyp
     original = DartDrafter.propose
     depths = iter(list(range(1, 9)) * 40)
 
-    def propose(self, max_new, timer, node_budget=None, fill=0):
+    def propose(self, max_new, timer, node_budget=None):
         texts = [self.texts(b) for b in range(len(max_new))]
-        original(self, max_new, timer, node_budget, fill)  # the drafter's own state machine runs as it is
-        return TreeBatch.stack([row_tree(text, limit) for text, limit in zip(texts, max_new)], fill)
+        original(self, max_new, timer, node_budget)  # the drafter's own state machine runs as it is
+        return DraftTrees.stack([row_tree(text, limit) for text, limit in zip(texts, max_new)])
 
     def row_tree(text, limit):
         for prompt, cont in oracle_rows.items():

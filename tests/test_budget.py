@@ -17,11 +17,10 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 import dart_hf
-from conftest import compact_cache, make_head, make_target, prompts
+from conftest import accept_greedy, check_closed, compact_cache, make_head, make_target, prompts
 from dart_hf_cli import main as cli
 from dart_hf.core import budget as budget_module
 from dart_hf.core import cost as cost_module
-from dart_hf.core.acceptance import accept_greedy
 from dart_hf.core.ragged import decode_cache
 from dart_hf.core.budget import BudgetKnobs, BudgetPolicy, BudgetState, budget_policy
 from dart_hf.core.cost import VerifyCost, load_curve
@@ -75,19 +74,19 @@ def test_counterfactual_acceptance_equals_rebuilding_smaller_trees():
             actual = []
             for b in range(1, budget + 1):  # each smaller tree really rebuilt, verified, accepted on
                 small = build_tree(draft, params=params(b), **kw)
-                small.check_closed()
-                actual.append(accept_greedy(small, verify_tree(target, small, cache, past)).path.numel() - 1)
+                check_closed(small)
+                actual.append(accept_greedy(small, verify_tree(target, small, cache, past))[0].numel() - 1)
                 cache.crop(past - cache.get_seq_length())
             tree = build_tree(draft, params=params(budget), **kw)
-            acc = accept_greedy(tree, verify_tree(target, tree, cache, past))
+            path, new = accept_greedy(tree, verify_tree(target, tree, cache, past))
             policy = BudgetPolicy(VerifyCost(list(range(1, budget + 2)), [0.01] * (budget + 1)))  # budgets 0..48
-            policy.observe_tree(tree, acc.path, budget)
+            policy.observe_tree(tree, path, budget)
             assert policy.expected_accepted()[1:].tolist() == actual  # what it predicts for every smaller tree
-            assert actual[-1] == acc.path.numel() - 1
+            assert actual[-1] == path.numel() - 1
             lengths.append(actual[-1])
             cut += actual[0] < actual[-1]
-            compact_cache(target, cache, past, acc.path)
-            seq = torch.cat([seq, acc.tokens.view(1, -1)], dim=1)
+            compact_cache(target, cache, past, path)
+            seq = torch.cat([seq, new.view(1, -1)], dim=1)
         assert torch.equal(seq[0], full[: seq.shape[1]])  # the steps decoded the target's own greedy text
     assert len(set(lengths)) >= 3 and max(lengths) >= 3 and cut >= 3, (lengths, cut)
 
@@ -523,7 +522,7 @@ def test_measured_verify_scale_per_tree_size_corrects_the_curves_shape():
         policy.batch_times.observe(8, 0, 8, verify_seconds=curve(8))
         policy.batch_times.observe(8, 3, 32, verify_seconds=2.5 * curve(32), draft_seconds=0.0)
     scale = policy.batch_times.scale
-    assert statistics.median(scale[0]) == pytest.approx(1.0) and statistics.median(scale[3]) == pytest.approx(2.5)
+    assert statistics.median(scale[(8, 0)]) == pytest.approx(1.0) and statistics.median(scale[(8, 3)]) == pytest.approx(2.5)
     # tree sizes never measured take the nearest measured tree size's scale, not the plain steps' (cheaper) one
     assert batch_budget(policy, 8) == 0
 
@@ -624,8 +623,9 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
     assert len(budgets) >= 8 and budgets == [script[i % 8] for i in range(len(budgets))]
     assert len(batched) >= 8 and batched == budgets[: len(batched)]
     budgets = batched
-    assert len(policy.batch_times.scale_all) == min(len(budgets), policy.knobs.batch_window)
-    assert all(s > 0 for s in policy.batch_times.scale_all) and all(policy.batch_times.scale[b] for b in set(budgets))
+    scales = policy.batch_times.scale  # (rows, n): measured / curve verify times
+    assert sum(len(s) for s in scales.values()) >= min(len(budgets), policy.knobs.batch_window)
+    assert all(x > 0 for s in scales.values() for x in s) and {b for _, b in scales} == set(budgets)
     for b in (1, 3, 7):
         steady = sum(1 for i in range(1, len(budgets)) if budgets[i - 1] > 0 and budgets[i] == b)
         assert len(policy.batch_times.draft[b]) == min(steady, policy.knobs.window), b
@@ -641,18 +641,17 @@ def test_batch_rule_learns_from_whole_steps_where_phase_times_are_launch_times()
 
     from dart_hf.core.acceptance import BatchAccepted
     from dart_hf.core.loop import _observe_batch
-    from dart_hf.core.tree import root_tree
-    from dart_hf.core.tree_batch import TreeBatch
+    from dart_hf.core.tree import DraftTrees, root_tree
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     curve = VerifyCost(sizes, [0.050 + 0.001 * n for n in sizes])
     policy = informed_policy(curve)
-    trees = TreeBatch.stack([root_tree(torch.tensor(5), torch.device("cpu")) for _ in range(4)])
+    trees = DraftTrees.stack([root_tree(torch.tensor(5), torch.device("cpu")) for _ in range(4)])
     step = BatchAccepted(paths=torch.zeros(4, 1, dtype=torch.long), lengths=torch.ones(4, dtype=torch.long),
                          tokens=torch.zeros(4, 1, dtype=torch.long))
     launch_times = SimpleNamespace(exact=False, last={"verify": 1e-5})
     _observe_batch(policy, trees, step, [1] * 4, 0, launch_times, drafting=1e-5, steady=True, wall=3 * curve(4))
-    assert statistics.median(policy.batch_times.scale[0]) == pytest.approx(3.0)  # the wall time, not the launch time
+    assert statistics.median(policy.batch_times.scale[(4, 0)]) == pytest.approx(3.0)  # the wall time, not the launch time
     exact = SimpleNamespace(exact=True, last={"verify": curve(4)})
     _observe_batch(policy, trees, step, [1] * 4, 0, exact, drafting=0.0, steady=True, wall=3 * curve(4))
-    assert sorted(policy.batch_times.scale[0]) == pytest.approx([1.0, 3.0])  # exact phases: the verify phase
+    assert sorted(policy.batch_times.scale[(4, 0)]) == pytest.approx([1.0, 3.0])  # exact phases: the verify phase

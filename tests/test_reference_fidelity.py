@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import check_closed
 from reference_port import TrieNgram, reference_rotary, tree_search
 from dart_hf.core.configuration import DartConfig
 from dart_hf.core.modeling import DartRotaryEmbedding
@@ -95,7 +96,7 @@ def test_tree_equals_the_reference_search(tries, seed):
     params = TreeSearchParams(node_budget=budget)
     tree = build_tree(logits, torch.tensor(text[-1]), torch.tensor(text), params, ngram=ngram,
                       draft_to_target=draft_to_target, eos_token_ids=torch.tensor([EOS]))
-    tree.check_closed()
+    check_closed(tree)
     got = paths_of(tree)
     assert got.keys() == want.keys()
     # the reference's float32 scores, up to the last bits of log() (libm's logf vs torch's vectorised log)

@@ -20,7 +20,7 @@ import dart_hf
 from conftest import SLIDING, SLIDING_WINDOW, compact_cache, prefilled, sliding_target
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTree, ancestor_mask
-from dart_hf.core.tree_batch import TreeBatch
+from dart_hf.core.tree import DraftTrees
 from dart_hf.core.verify import verify_tree
 from dart_hf.tools.targets import tiny_config
 
@@ -96,14 +96,14 @@ def oracle(monkeypatch, plain: torch.Tensor, vocab: int) -> list[int]:
     original = DartDrafter.propose
     depths = iter(list(range(1, 12)) * 10)
 
-    def propose(self, max_new, timer, node_budget=None, fill=0):
+    def propose(self, max_new, timer, node_budget=None):
         texts = [self.texts(b) for b in range(len(max_new))]
-        original(self, max_new, timer, node_budget, fill)  # keeps the drafter's own state machine as it is
+        original(self, max_new, timer, node_budget)  # keeps the drafter's own state machine as it is
         (text,), (limit,) = texts, max_new
         n = text.numel()
         truth = plain[0, n : n + min(next(depths), limit)].tolist()
         wrong = [(t + 1 + i) % vocab for i, t in enumerate(truth)]
-        return TreeBatch.stack([chain_tree(int(text[-1]), truth, wrong).to(text.device)], fill)
+        return DraftTrees.stack([chain_tree(int(text[-1]), truth, wrong).to(text.device)])
 
     monkeypatch.setattr(DartDrafter, "propose", propose)
 

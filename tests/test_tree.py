@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dart_hf import DartConfig, NGramModel
+from conftest import check_closed
 from dart_hf.core.tree import LOG_EPS, TreeSearchParams, ancestor_mask, build_tree
 
 
@@ -71,7 +72,7 @@ def test_lookup_candidates_follow_the_reference_beam_search():
         assert all(abs(score - best[path]) < 1e-4 for path, score in got.items())
         siblings = list(zip(tree.parents[1:].tolist(), tree.tokens[1:].tolist()))
         assert len(siblings) == len(set(siblings)), "a token proposed by head and lookup must appear once"
-        tree.check_closed()
+        check_closed(tree)
         assert (tuple(outside) in got) == (logp == -0.1)  # a confident lookup chain makes the tree, whole
     no_match = build_tree(logits, torch.tensor(7), torch.tensor(context), p, ngram=ngram,
                           lookup=(tokens, torch.zeros(4, dtype=torch.bool)))
@@ -93,7 +94,7 @@ def test_tree_is_the_best_nodes_of_the_reference_beam_search():
     assert got.keys() == best.keys()
     for path, score in got.items():
         assert abs(score - best[path]) < 1e-4
-    tree.check_closed()
+    check_closed(tree)
 
 
 def test_a_small_budget_tree_is_the_top_of_the_full_search():
@@ -114,7 +115,7 @@ def test_a_small_budget_tree_is_the_top_of_the_full_search():
         tree = build_tree(logits, torch.tensor(7), torch.tensor([5, 7]), p, ngram=ngram)
         best = dict(sorted(pool.items(), key=lambda kv: -kv[1])[:budget])
         assert tree.size == budget + 1 and tree_paths(tree).keys() == best.keys()
-        tree.check_closed()
+        check_closed(tree)
     assert any(path[-1] == 20 for path in best)  # the promoted token made it into the small trees
 
 
@@ -156,7 +157,7 @@ def test_budget_depth_cap_and_encoding():
     logits = torch.randn(6, 50)
     tree = build_tree(logits, torch.tensor(4), torch.tensor([4]), TreeSearchParams(node_budget=20), max_depth=3)
     assert tree.size == 21 and int(tree.depths.max()) <= 3 and tree.tokens[0] == 4
-    tree.check_closed()
+    check_closed(tree)
     # ancestor mask agrees with walking the parents
     for i in range(tree.size):
         chain, j = {i}, i
@@ -164,13 +165,6 @@ def test_budget_depth_cap_and_encoding():
             j = int(tree.parents[j])
             chain.add(j)
         assert set(tree.ancestor_mask[i].nonzero().squeeze(1).tolist()) == chain
-    # retrieve_indices: one row per leaf, root first, each step a parent -> child edge, -1 padded
-    ri = tree.retrieve_indices
-    leaves = set(range(tree.size)) - set(tree.parents[1:].tolist())
-    assert set(ri.max(dim=1).values.tolist()) == leaves
-    for row in ri.tolist():
-        row = [r for r in row if r >= 0]
-        assert row[0] == 0 and all(int(tree.parents[c]) == p for p, c in zip(row, row[1:]))
 
 
 def test_ancestor_mask_small():
@@ -230,7 +224,7 @@ def test_best_first_tree_is_the_best_drafts_over_all_paths():
         got = tree_paths(tree)
         assert got.keys() == dict(ranked[:budget]).keys(), budget
         assert all(abs(score - brute[path]) < 1e-4 for path, score in got.items())
-        tree.check_closed()
+        check_closed(tree)
     assert tuple(lookup) in got  # the confident lookup chain outranks most head drafts
     reference = tree_paths(build_tree(logits, torch.tensor(4), torch.tensor(context),
                                       TreeSearchParams(top_k=4, beam_width=1, node_budget=40), ngram=ngram))

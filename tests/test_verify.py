@@ -8,7 +8,7 @@ import torch
 from conftest import compact_cache, make_target, prefilled
 from dart_hf.core.tree import TreeSearchParams, build_tree
 from dart_hf.core.ragged import RaggedCache
-from dart_hf.core.tree_batch import TreeBatch
+from dart_hf.core.tree import DraftTrees
 from dart_hf.core.verify import verify_tree
 
 
@@ -42,7 +42,7 @@ def test_flex_attention_block_mask_matches_dense_mask():
     flex = verify_tree(flex_target, tree, prefilled(flex_target, prefix), past_len=7)
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
     mask = RaggedCache(prefilled(flex_target, prefix), torch.ones(1, 7, dtype=torch.bool), flex_target.config
-                       ).verify_mask(TreeBatch.stack([tree]), "flex_attention", torch.float32)
+                       ).verify_mask(DraftTrees.stack([tree]), "flex_attention", torch.float32)
     assert type(mask).__name__ == "BlockMask"
 
 

@@ -1,7 +1,7 @@
 """Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Both rules are lossless.
 
-- `accept_greedy`: no logits processors, greedy. Vectorised over the whole tree: a node is accepted when its
-  token equals the target's argmax at every ancestor; the deepest accepted node ends the path.
+- `accept_greedy_batch`: no logits processors, greedy. Vectorised over every row's whole tree: a node is accepted
+  when its token equals the target's argmax at every ancestor; the deepest accepted node ends the path.
 - `accept_walk`: the general rule, for sampling and for greedy with processors (repetition penalty,
   min-length, ...). It walks from the root and applies the user's processors at each visited node with that
   node's exact context, as plain `generate` would. At each node it picks the target's own next token x exactly
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
-from .tree import DraftTree
+from .tree import DraftTree, DraftTrees
 
 
 @dataclass
@@ -34,25 +34,6 @@ class Accepted:
     tokens: torch.Tensor
     scores: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-
-
-def greedy_path(tree: DraftTree, predicted: torch.Tensor) -> torch.Tensor:
-    """Node indices, root first, of the deepest draft whose every token is `predicted` at its parent (`predicted`
-    [N]: the target's greedy token after each node). One device-to-host sync (the path length)."""
-    matches = tree.tokens == predicted[tree.parents]
-    matches[0] = True
-    accepted = ~(tree.ancestor_mask & ~matches.unsqueeze(0)).any(dim=1)
-    deepest = torch.where(accepted, tree.depths, -1).argmax()
-    return tree.ancestor_mask[deepest].nonzero().squeeze(1)  # ascending index == ascending depth
-
-
-def accept_greedy(tree: DraftTree, logits: torch.Tensor, keep_scores: bool = False) -> Accepted:
-    """Greedy acceptance over the whole tree (`greedy_path` of the target's argmax at every node)."""
-    predicted = logits.argmax(dim=-1)
-    path = greedy_path(tree, predicted)
-    tokens = torch.cat([tree.tokens[path[1:]], predicted[path[-1]].view(1)])
-    rows = logits[path] if keep_scores else None
-    return Accepted(path=path, tokens=tokens, scores=rows, logits=rows)
 
 
 def _next_token(processed: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
@@ -98,7 +79,7 @@ def accept_walk(
 
 @dataclass
 class BatchAccepted:
-    """One step's acceptance for every row of a `TreeBatch`: paths [rows, M] (tree node indices, root first; past a
+    """One step's acceptance for every row of a `DraftTrees`: paths [rows, M] (tree node indices, root first; past a
     row's own length the last node repeats), lengths [rows] (path length = new tokens of the row), tokens [rows, M]
     (the new tokens, the first lengths[r] of row r real) and, when asked for, the scores / logits rows [rows, M, V]."""
 
@@ -120,21 +101,29 @@ class BatchAccepted:
         return cls(stack([r.path for r in rows]), lengths, stack([r.tokens for r in rows]), scores, logits)
 
 
-def accept_greedy_batch(trees, logits: torch.Tensor, keep_scores: bool = False) -> BatchAccepted:
-    """`accept_greedy` for every row of a `TreeBatch` at once (logits [rows, N, V]); padding nodes are never
-    accepted. One host sync (the longest path)."""
-    predicted = logits.argmax(dim=-1)  # [rows, N]
+def greedy_paths(trees: DraftTrees, predicted: torch.Tensor, m: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(paths [rows, m]: node indices root first, the deepest node repeated past a path's end; lengths [rows]) of
+    each row's deepest draft whose every token is `predicted` [rows, N] (the target's greedy token after each node)
+    at its parent; padding nodes are never accepted. m: path slots (the compiled step's fixed M; default: the
+    longest path, one host read)."""
+    n = trees.width
     matches = (trees.tokens == predicted.gather(1, trees.parents)) & trees.real
     matches[:, 0] = True
     accepted = ~(trees.ancestor_mask & ~matches.unsqueeze(1)).any(dim=2)
     deepest = torch.where(accepted, trees.depths, -1).argmax(dim=1)  # [rows]
-    on_path = trees.ancestor_mask[torch.arange(deepest.numel(), device=deepest.device), deepest]
+    on_path = trees.ancestor_mask.gather(1, deepest.view(-1, 1, 1).expand(-1, 1, n)).squeeze(1)
     lengths = trees.depths.gather(1, deepest.unsqueeze(1)).squeeze(1) + 1
-    n = trees.width
     idx = torch.arange(n, device=on_path.device).expand_as(on_path)
-    m = int(lengths.max())
+    m = int(lengths.max()) if m is None else m
     order = torch.sort(torch.where(on_path, idx, n + idx), dim=1).values[:, :m]  # the path's nodes, ascending
-    paths = torch.where(order < n, order, deepest.unsqueeze(1))
+    return torch.where(order < n, order, deepest.unsqueeze(1)), lengths
+
+
+def accept_greedy_batch(trees: DraftTrees, logits: torch.Tensor, keep_scores: bool = False) -> BatchAccepted:
+    """Greedy acceptance for every row at once (logits [rows, N, V]): `greedy_paths` of the target's argmax at every
+    node. One host sync (the longest path)."""
+    predicted = logits.argmax(dim=-1)  # [rows, N]
+    paths, lengths = greedy_paths(trees, predicted)
     # greedy: the token after path node j is the target's argmax there (the next path node's token, or the bonus)
     tokens = predicted.gather(1, paths)
     rows = logits.gather(1, paths.unsqueeze(2).expand(-1, -1, logits.shape[2])) if keep_scores else None

@@ -3,9 +3,10 @@
 
     T(R, n) = s(n) * curve(R * (n + 1)) + R * D(n)
 
-the verify of R rows x (n + 1) tokens priced as one row of as many tokens (measured within ~15% on a 2-core CPU,
-`dart-hf calibrate --batch`), s(n) the recent batched verifies' measured / predicted time at n (the load now, and the
-curve's own error there), D(n) each row's head forward + tree search as recent batched steps measured it. A tree
+the verify of R rows x (n + 1) tokens priced as one row of as many tokens (measured within ~15-30% on a 2-core CPU,
+`dart-hf calibrate --batch`, the error growing with R), s(n) the recent batched verifies' measured / predicted time
+at n and this batch size R (the load now, and the curve's own error there; another batch size's where R was not
+measured), D(n) each row's head forward + tree search as recent batched steps measured it. A tree
 must promise `batch_margin` more than plain decoding. Without a curve (`dart-hf calibrate` not run) the curve is flat,
 so s(n) is the measured verify time at n itself. Where phase times are not exact (CUDA without `dart_timing`), the
 loop observes whole steps, which end in a host read, as s(n) alone (D = 0): the rule learns on every device.
@@ -35,8 +36,7 @@ class BatchTimes:
     def __init__(self, policy):
         self.policy = policy
         k, trees = policy.knobs, policy.candidates[1:]
-        self.scale = {b: deque(maxlen=k.batch_window) for b in policy.candidates}
-        self.scale_all: deque = deque(maxlen=k.batch_window)
+        self.scale: dict[tuple[int, int], deque] = {}  # (rows, n): measured / curve verify times
         self.draft = {b: deque(maxlen=k.window) for b in trees}  # steady drafting steps
         self.draft_any = {b: deque(maxlen=k.window) for b in trees}  # any drafting step
         self.since_probe = 0.0  # seconds of batched steps at the rule's choice since the last probe
@@ -56,8 +56,7 @@ class BatchTimes:
         n = min(self.policy.candidates, key=lambda b: abs(b - budget))
         if verify_seconds > 0 and tokens > 0:
             ratio = verify_seconds / max(float(self.curve(tokens)), 1e-9)
-            self.scale[n].append(ratio)
-            self.scale_all.append(ratio)
+            self.scale.setdefault((rows, n), deque(maxlen=self.policy.knobs.batch_window)).append(ratio)
         if n > 0 and rows > 0:
             self.draft_any[n].append(draft_seconds / rows)
             if steady:
@@ -66,13 +65,16 @@ class BatchTimes:
             self.since_probe += verify_seconds + draft_seconds
 
     def step_seconds(self, rows: int, catch_up: bool = False) -> np.ndarray:
-        """T(rows, n) per candidate n: s(n) from the recent verifies at n (a tree size without its own: the nearest
-        measured tree size's, else all sizes'; 1 before any), D(n) the median per-row drafting of recent steady
+        """T(rows, n) per candidate n: s(n) from the recent verifies of `rows` rows at n (of the nearest measured batch
+        size where `rows` has none; a tree size without its own: the nearest measured tree size's, else all sizes';
+        1 before any), D(n) the median per-row drafting of recent steady
         steps at the nearest measured n (without any steady step, or with `catch_up`: of any drafting step, catch-up
         included: dearer, never cheaper; 0 before any). n = 0: no drafting."""
         cands = self.policy.candidates
-        overall = statistics.median(self.scale_all) if self.scale_all else 1.0
-        measured = {b: statistics.median(s) for b, s in self.scale.items() if s}
+        sizes = {r for r, _ in self.scale}
+        near = min(sizes, key=lambda r: abs(np.log(r / rows))) if sizes else None
+        measured = {b: statistics.median(s) for (r, b), s in self.scale.items() if r == near}
+        overall = statistics.median([x for (r, _), s in self.scale.items() if r == near for x in s]) if sizes else 1.0
         trees = [a for a in measured if a > 0]
         scale = np.array([measured[b] if b in measured else measured[nearest_size(trees, b)] if b and trees else overall
                           for b in cands])

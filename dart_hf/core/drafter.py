@@ -17,8 +17,7 @@ from .modeling import DartHead, TargetModules
 from .ngram import NGramModel
 from .prompt_lookup import lookup_for_tree
 from .stats import PhaseTimer
-from .tree import TreeSearchParams, build_trees, last_tokens, root_tree
-from .tree_batch import TreeBatch
+from .tree import DraftTrees, TreeSearchParams, build_trees, last_tokens, root_tree
 
 
 def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
@@ -117,11 +116,10 @@ class DartDrafter:
         self.lengths, self.used, self.pending, self.exhausted = (
             [v[i] for i in keep] for v in (self.lengths, self.used, self.pending, self.exhausted))
 
-    def propose(self, max_new: list[int], timer: PhaseTimer, node_budget: int | None = None,
-                fill: int = 0) -> TreeBatch:
+    def propose(self, max_new: list[int], timer: PhaseTimer, node_budget: int | None = None) -> DraftTrees:
         """The draft trees of `node_budget` nodes (default: the budget this drafter was made with), one per row:
-        row b's rooted at the last token of its text, at most max_new[b] tokens deep (>= 0), padded with `fill` to
-        one node count, on the head's device. The head drafts only as deep as a tree can reach: min(node budget,
+        row b's rooted at the last token of its text, at most max_new[b] tokens deep (>= 0), padded to one node
+        count, on the head's device. The head drafts only as deep as a tree can reach: min(node budget,
         the deepest max_new, K + 1) rows. Budget 0 gives every row its root alone: no head forward, no search (the
         target's states wait for the next tree)."""
         if node_budget is not None and node_budget != self.params.node_budget:
@@ -133,14 +131,14 @@ class DartDrafter:
         used = torch.tensor(self.used, device=self.device)
         roots = self.text.gather(1, (used - 1).view(-1, 1)).view(-1)
         if self.params.node_budget == 0 or all(self.exhausted):
-            return TreeBatch.stack([root_tree(r, self.device) for r in roots], fill=fill)
+            return DraftTrees.stack([root_tree(r, self.device) for r in roots])
         if any(n == 0 for n, done in zip(self.pending, self.exhausted) if not done):
             raise RuntimeError("propose() before advance(): the head has no target states to draft from")
         depth = draft_depth(self.params, max(limits), self.head.config.num_predictions)
         with timer.phase("draft"):
             logits = self._draft(depth)
         with timer.phase("tree"):
-            return TreeBatch.from_trees(self._search(logits, used, roots, limits, depth), fill)
+            return self._search(logits, used, roots, limits, depth)
 
     def _draft(self, depth: int) -> torch.Tensor:
         """One head forward over every row's pending positions (a row that drafts no more: one dummy position, not
@@ -158,7 +156,8 @@ class DartDrafter:
         self.pending = [0] * len(self.pending)
         return logits
 
-    def _search(self, logits: torch.Tensor, used: torch.Tensor, roots: torch.Tensor, limits: list[int], depth: int):
+    def _search(self, logits: torch.Tensor, used: torch.Tensor, roots: torch.Tensor, limits: list[int],
+                depth: int) -> DraftTrees:
         """`build_trees` for every row: its n-gram context, its prompt-lookup continuation, its depth limit."""
         text = self.text[:, : max(self.used)]
         contexts = last_tokens(text, used, self.context_size)

@@ -6,7 +6,7 @@ everything (GenerationConfig, logits processors and warpers, stopping criteria i
 then hands over to it, either through `custom_generate=dart_decode` or through the `assistant_model=DartHead` routing
 installed by `import dart_hf` (see `dart_hf.integrations.transformers`). Per step:
 
-    every row's tree (`DartDrafter`: ONE head forward and ONE tree search for all rows) -> `TreeBatch` (padded)
+    every row's tree (`DartDrafter`: ONE head forward and ONE tree search for all rows) -> `DraftTrees` (padded)
     `verify_batch`: one target forward over [rows, N], the mask of each row (`ragged.RaggedCache`: padding + holes +
         sliding windows + tree), returning the logits and the layer inputs the head reads next
     acceptance: `accept_greedy_batch` (vectorised over rows), else the walk per row with the processors
@@ -49,7 +49,7 @@ from .rows import ColumnStream, RowProcessor, Rows, final_length, result, scores
 from .stats import DartStats, PhaseTimer
 from .stopping import fast_criteria, first_stop, first_stops
 from .target import aux_request, aux_states, cache_kwargs
-from .tree_batch import TreeBatch
+from .tree import DraftTrees
 from .verify import verify_batch
 
 
@@ -163,8 +163,8 @@ def dart_decode(
         if single:
             policy.start()
         drafted = _drafting_seconds(timer)
-        trees = drafter.propose([config.max_length - rows.length(b) - 1 for b in active], timer, budget,
-                                fill=int(pad_id) if pad_id is not None else 0).to(model.device)
+        trees = drafter.propose([config.max_length - rows.length(b) - 1 for b in active], timer,
+                                budget).to(model.device)
         with timer.phase("verify"):
             logits, tree_aux = verify_batch(model, trees, ragged, aux_ids)
         with timer.phase("accept"):
@@ -244,7 +244,7 @@ def _row_streams(rows: int, device: torch.device) -> list[torch.Generator]:
     return [torch.Generator(device=device).manual_seed(seed) for seed in torch.randint(0, 2**62, (rows,)).tolist()]
 
 
-def _observe_batch(policy: BudgetPolicy, trees: TreeBatch, step: BatchAccepted, lengths: list[int], budget: int,
+def _observe_batch(policy: BudgetPolicy, trees: DraftTrees, step: BatchAccepted, lengths: list[int], budget: int,
                    timer: PhaseTimer, drafting: float, steady: bool, wall: float) -> None:
     """What a batched step tells the batch rule: its verify scale and per-row drafting cost, and each row's acceptance
     (a batched step is not a single-row step time). Where phase times are launch times (CUDA without `dart_timing`),

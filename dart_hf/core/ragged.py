@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .tree_batch import TreeBatch
+from .tree import DraftTrees
 
 
 def layer_windows(config) -> list[int | None]:
@@ -83,11 +83,11 @@ class RaggedCache:
         return self.valid.shape[1]
 
     # ------------------------------------------------------------------------------------------ the verify forward
-    def positions(self, trees: TreeBatch) -> torch.Tensor:
+    def positions(self, trees: DraftTrees) -> torch.Tensor:
         """[rows, N]: node i of row r sits at next_pos[r] + depth (padding nodes: at next_pos[r])."""
         return self.next_pos.unsqueeze(1) + trees.depths
 
-    def verify_mask(self, trees: TreeBatch, attn_implementation: str, dtype: torch.dtype):
+    def verify_mask(self, trees: DraftTrees, attn_implementation: str, dtype: torch.dtype):
         """The `attention_mask` of the verify forward: one 4D mask [rows, 1, N, T + N] (row r's committed slots, then
         its tree's ancestor mask; in a sliding-window layer only those within the window of the node's position), or
         {layer type: mask} when the layers' windows differ; in the form the attention backend takes (bool for SDPA,
@@ -107,7 +107,7 @@ class RaggedCache:
                                           'verification passes one mask per layer type; use dart_mode="chain"')
         return {kind: masks[w] for kind, w in by_type.items()}
 
-    def _mask(self, trees: TreeBatch, window: int | None, attn_implementation: str, dtype: torch.dtype):
+    def _mask(self, trees: DraftTrees, window: int | None, attn_implementation: str, dtype: torch.dtype):
         rows, n = trees.tokens.shape
         committed = self.valid.unsqueeze(1).expand(rows, n, self.length)
         in_tree = trees.ancestor_mask

@@ -40,10 +40,6 @@ class Rows:
     def length(self, b: int) -> int:
         return self.seqs[b].numel()
 
-    def text(self, b: int) -> torch.Tensor:
-        """[1, L]: row b without its left padding (what its drafter reads)."""
-        return self.seqs[b][self.lefts[b] :].unsqueeze(0)
-
 
 
 class RowProcessor:

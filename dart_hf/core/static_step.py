@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, StaticCache
 
-from .acceptance import BatchAccepted, accept_walk
+from .acceptance import BatchAccepted, accept_walk, greedy_paths
 from .modeling import DartHead, TargetModules
 from .distributed import tensor_parallel_group
 from .ragged import backend_mask, decode_cache, layer_windows
 from .prompt_lookup import lookup_continuation
-from .tree import DraftTree, TreeSearchParams, build_tree, last_tokens
+from .tree import DraftTrees, TreeSearchParams, build_trees, last_tokens
 
 SLOT_ROUNDING = 256  # cache lengths are rounded up to this, so calls of nearby lengths share one compiled graph
 
@@ -150,30 +150,31 @@ def head_draft(head: DartHead, modules: TargetModules, s: StaticHeadState, depth
 
 
 def draft_tree(head: DartHead, modules: TargetModules, s: StaticHeadState, spec: StepSpec, ngram,
-               eos: torch.Tensor | None) -> DraftTree:
-    """Head forward + tree search: the step's tree of exactly node budget + 1 nodes (`build_tree(fixed_size=True)`),
-    rooted at the text's last token, with prompt lookup over the fixed-size text buffer."""
+               eos: torch.Tensor | None) -> DraftTrees:
+    """Head forward + tree search: the step's one-row tree of exactly node budget + 1 nodes (`build_trees` with
+    fixed_size), rooted at the text's last token, with prompt lookup over the fixed-size text buffer."""
     logits = head_draft(head, modules, s, spec.depth)
-    context = last_tokens(s.text.unsqueeze(0), s.text_len.view(1), spec.context)[0]
+    context = last_tokens(s.text.unsqueeze(0), s.text_len.view(1), spec.context)
     lookup = None
     if spec.lookup is not None:
-        lookup = lookup_continuation(s.text, spec.depth, *spec.lookup, used=s.text_len)
-    return build_tree(logits, root_token=context[-1], context=context, params=spec.params, ngram=ngram,
-                      draft_to_target=head.draft_to_target, eos_token_ids=eos, lookup=lookup, fixed_size=True)
+        tokens, valid = lookup_continuation(s.text, spec.depth, *spec.lookup, used=s.text_len)
+        lookup = tokens[None], valid[None]
+    return build_trees(logits[None], context[:, -1], context, spec.params, ngram=ngram,
+                       draft_to_target=head.draft_to_target, eos_token_ids=eos, lookup=lookup, fixed_size=True)
 
 
-def verify(target, cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTree):
+def verify(target, cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTrees):
     """The target's forward over the tree written into cache slots pos..pos+N-1: node i sees the committed slots and
     its ancestors' slots. Returns (float logits [N, vocab], the head's layer inputs at every node [N, 3H])."""
-    n, slots = tree.tokens.numel(), cache.layers[0].max_cache_len
+    n, slots = tree.width, cache.layers[0].max_cache_len
     slot = torch.arange(slots, device=s.pos.device)
     rel = slot - s.pos
-    in_tree = tree.ancestor_mask[:, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))
+    in_tree = tree.ancestor_mask[0][:, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))
     visible = (slot < s.pos) | in_tree
     out = target(
-        input_ids=tree.tokens.unsqueeze(0),
+        input_ids=tree.tokens,
         attention_mask=backend_mask(visible.unsqueeze(0), spec.attn, target.dtype),
-        position_ids=torch.minimum(s.pos + tree.depths, s.last_pos).unsqueeze(0),
+        position_ids=torch.minimum(s.pos + tree.depths, s.last_pos),
         cache=cache, use_cache=True, output_hidden_states=list(spec.aux_ids), logits_to_keep=0,
     )
     aux = torch.cat([out.hidden_states[i][0] for i in spec.aux_ids], dim=-1)
@@ -198,29 +199,15 @@ def commit(cache: StaticCache, s: StaticHeadState, path: torch.Tensor, length: t
     s.pos.add_(length)
 
 
-def greedy_path(tree: DraftTree, predicted: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(path [m]: node indices root first, repeating the deepest node past the path's end; its length, 0-d): the
-    deepest draft whose every token is the target's greedy choice at its parent (`acceptance.greedy_path`, fixed
-    shapes, no host sync)."""
-    n = tree.tokens.numel()
-    idx = torch.arange(n, device=predicted.device)
-    matches = (tree.tokens == predicted[tree.parents]) | (idx == 0)
-    accepted = ~(tree.ancestor_mask & ~matches.unsqueeze(0)).any(dim=1)
-    deepest = torch.where(accepted, tree.depths, -1).argmax()
-    on_path = tree.ancestor_mask.index_select(0, deepest.view(1))[0]
-    order = torch.sort(torch.where(on_path, idx, n + idx)).values[:m]
-    return torch.where(order < n, order, deepest), tree.depths.index_select(0, deepest.view(1))[0] + 1
-
-
-def accept_commit(cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTree, logits: torch.Tensor,
+def accept_commit(cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTrees, logits: torch.Tensor,
                   aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance and `commit`. Returns (length 0-d, tokens [M]: the accepted draft tokens then the target's
-    own, the first `length` real)."""
+    """Greedy acceptance (`greedy_paths` with M fixed slots: no host sync) and `commit`. Returns (length 0-d, tokens
+    [M]: the accepted draft tokens then the target's own, the first `length` real)."""
     predicted = logits.argmax(dim=-1)
-    path, length = greedy_path(tree, predicted, spec.path_slots)
-    tokens = predicted[path]
-    commit(cache, s, path, length, tokens, aux)
-    return length, tokens
+    paths, lengths = greedy_paths(tree, predicted.unsqueeze(0), spec.path_slots)
+    tokens = predicted[paths[0]]
+    commit(cache, s, paths[0], lengths[0], tokens, aux)
+    return lengths[0], tokens
 
 
 def greedy_step(target, head: DartHead, modules: TargetModules, cache: StaticCache, s: StaticHeadState,
@@ -320,7 +307,7 @@ class StaticStep:
         with timer.phase("accept"):
             if greedy:
                 return _host_result(*run(accept_commit, self.cache, s, spec, tree, logits, aux))
-            walk = accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample)
+            walk = accept_walk(tree.row(0, self.nodes), logits, context.unsqueeze(0), logits_processor, do_sample)
             m, n = spec.path_slots, walk.path.numel()
             pad = lambda t: torch.cat([t, t[-1:].expand(m - n, *t.shape[1:])])
             run(commit, self.cache, s, pad(walk.path), torch.tensor(n, device=walk.path.device), pad(walk.tokens),

@@ -27,6 +27,7 @@ the chosen set is closed under ancestors, which `DraftTree.check_closed` asserts
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -88,18 +89,6 @@ class DraftTree:
     def size(self) -> int:
         return self.tokens.numel()
 
-    @property
-    def retrieve_indices(self) -> torch.Tensor:
-        """One row per leaf: node indices from the root to that leaf, padded with -1 (spec 3 encoding)."""
-        n = self.size
-        has_child = torch.zeros(n, dtype=torch.bool, device=self.tokens.device)
-        has_child[self.parents[1:]] = True
-        leaves = (~has_child).nonzero().squeeze(1)
-        rows, cols = self.ancestor_mask[leaves].nonzero(as_tuple=True)
-        out = torch.full((leaves.numel(), int(self.depths.max()) + 1), -1, dtype=torch.long, device=self.tokens.device)
-        out[rows, self.depths[cols]] = cols
-        return out
-
     def to(self, device: torch.device) -> "DraftTree":
         if self.tokens.device == torch.device(device):
             return self
@@ -111,12 +100,6 @@ class DraftTree:
         """Node indices (root first) of the best-scoring draft among the deepest ones: the tree as a chain."""
         deepest = torch.where(self.depths == self.depths.max(), self.scores, float("-inf")).argmax()
         return self.ancestor_mask[deepest].nonzero().squeeze(1)
-
-    def check_closed(self) -> None:
-        """Every node's parent is in the tree and comes before it; depths agree with parents."""
-        idx = torch.arange(self.size, device=self.tokens.device)
-        assert bool((self.parents[1:] < idx[1:]).all()), "a parent must precede its child"
-        assert bool((self.depths[1:] == self.depths[self.parents[1:]] + 1).all()), "depth must be parent depth + 1"
 
 
 def root_tree(token: torch.Tensor, device: torch.device) -> DraftTree:
@@ -190,7 +173,6 @@ def build_tree(
     eos_token_ids: torch.Tensor | None = None,
     max_depth: int | None = None,
     lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fixed_size: bool = False,
 ) -> DraftTree:
     """Beam-search a draft tree: `build_trees` for one row.
 
@@ -198,9 +180,7 @@ def build_tree(
     token, last accepted). context [c]: the accepted tokens ending with the root (for the n-gram; only the
     last `ngram.context_size` are read). draft_to_target maps draft-vocab ids to target ids (None: identity).
     max_depth caps the depth (so no node lies past max_new_tokens). lookup: (tokens [>= D], valid [>= D]) from
-    `dart_hf.core.prompt_lookup.lookup_continuation`, or None. fixed_size: always node_budget + 1 nodes (the
-    compiled step's static shapes): a placeholder lookup column (score -inf, ranked last) then fills a tree whose pool
-    has fewer real candidates than the budget; verifying it is harmless (its token is checked like any other).
+    `dart_hf.core.prompt_lookup.lookup_continuation`, or None.
     """
     hist_len = max(ngram.context_size if ngram is not None else 0, 1)
     text = context.to(device=draft_logits.device, dtype=torch.long).view(1, -1)
@@ -210,16 +190,17 @@ def build_tree(
         draft_logits.unsqueeze(0), root_token.view(1), ctx.unsqueeze(0), params, ngram=ngram,
         draft_to_target=draft_to_target, eos_token_ids=eos_token_ids, max_depths=depths,
         depth_bound=max_depth, lookup=None if lookup is None else (lookup[0][None], lookup[1][None]),
-        fixed_size=fixed_size,
     )
-    return trees.row(0) if not fixed_size else trees.row(0, trees.tokens.shape[1])
+    return trees.row(0)
 
 
 @dataclass
 class DraftTrees:
-    """The trees of several rows, padded to one node count N (`DraftTree` fields with a leading row dimension): row
-    r's tree is nodes [0, sizes[r]); a padding node has the row's fill token, parent 0, depth 0, itself alone as
-    ancestor and score -inf. `sizes` [rows] is on the device (reading it is a host sync: `row` does)."""
+    """One draft tree per row, padded to one node count N so that ONE target forward verifies them all (`DraftTree`
+    fields with a leading row dimension): row r's tree is nodes [0, sizes[r]). A padding node has the row's root
+    token, parent 0, depth 0, itself alone as ancestor (its attention row is never empty) and score -inf: no real
+    node sees it, it is never accepted (`real`), and its cache entry goes with the rest of the tree. `sizes` [rows]
+    is on the device; `trees` reads it (a host sync) only when asked."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -228,11 +209,50 @@ class DraftTrees:
     scores: torch.Tensor
     sizes: torch.Tensor
 
+    @property
+    def width(self) -> int:
+        """N: nodes per row after padding."""
+        return self.tokens.shape[1]
+
+    @property
+    def real(self) -> torch.Tensor:
+        """[rows, N]: True for a row's own nodes, False for its padding."""
+        return torch.arange(self.width, device=self.tokens.device) < self.sizes.unsqueeze(1)
+
     def row(self, r: int, size: int | None = None) -> DraftTree:
         """Row r's own tree (its first `size` nodes; default: its size)."""
         n = int(self.sizes[r]) if size is None else size
         return DraftTree(self.tokens[r, :n], self.parents[r, :n], self.depths[r, :n],
                          self.ancestor_mask[r, :n, :n], self.scores[r, :n])
+
+    @functools.cached_property
+    def trees(self) -> list[DraftTree]:
+        """Every row's own tree (the sampling walk and the budget statistics read them): one read of the sizes."""
+        return [self.row(r, n) for r, n in enumerate(self.sizes.tolist())]
+
+    def to(self, device: torch.device) -> "DraftTrees":
+        if self.tokens.device == torch.device(device):
+            return self
+        return DraftTrees(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.ancestor_mask,
+                                                    self.scores, self.sizes)))
+
+    @classmethod
+    def stack(cls, trees: list[DraftTree]) -> "DraftTrees":
+        """Trees made one by one, padded to the largest one's node count (on the first tree's device)."""
+        device, n, rows = trees[0].tokens.device, max(t.size for t in trees), len(trees)
+        out = cls(torch.zeros(rows, n, dtype=torch.long, device=device),
+                  torch.zeros(rows, n, dtype=torch.long, device=device),
+                  torch.zeros(rows, n, dtype=torch.long, device=device),
+                  torch.eye(n, dtype=torch.bool, device=device).repeat(rows, 1, 1),
+                  torch.full((rows, n), float("-inf"), device=device),
+                  torch.tensor([t.size for t in trees], device=device))
+        for r, t in enumerate(trees):  # one slice copy per row and field (not per node)
+            t, s = t.to(device), t.size
+            out.tokens[r, :s], out.parents[r, :s], out.depths[r, :s], out.scores[r, :s] = (
+                t.tokens, t.parents, t.depths, t.scores)
+            out.tokens[r, s:] = t.tokens[0]
+            out.ancestor_mask[r, :s, :s] = t.ancestor_mask
+        return out
 
 
 def build_trees(
@@ -255,7 +275,9 @@ def build_trees(
     row's text, the root last (-1: before the text). max_depths [B] (or None): no node of row r deeper than
     max_depths[r] (a row at 0 gets its root alone); depth_bound: a Python int >= every max_depths entry, if known
     (the search runs no deeper; default: D). lookup: (tokens [B, >= D], valid [B, >= D]) or None. fixed_size: every
-    row gets node_budget + 1 nodes (see `build_tree`); otherwise rows have their own sizes, padded to the largest.
+    row gets node_budget + 1 nodes (the compiled step's static shapes: a pool with fewer real candidates than the
+    budget is filled from its -inf entries, which verifying checks like any other); otherwise rows have their own
+    sizes, padded to the largest.
     """
     device = draft_logits.device
     rows, depth_rows = draft_logits.shape[0], draft_logits.shape[1]

@@ -14,12 +14,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .ragged import RaggedCache
 from .target import aux_request, aux_states, cache_kwargs
-from .tree import DraftTree
-from .tree_batch import TreeBatch
+from .tree import DraftTree, DraftTrees
 
 
 @torch.no_grad()
-def verify_batch(target: PreTrainedModel, trees: TreeBatch, ragged: RaggedCache,
+def verify_batch(target: PreTrainedModel, trees: DraftTrees, ragged: RaggedCache,
                  aux_layer_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the target once over every row's tree; returns (float logits [rows, N, vocab], node i predicting its next
     token; the inputs of the layers `aux_layer_ids` at every node [rows, N, 3 * hidden], or None when none are asked
@@ -41,4 +40,4 @@ def verify_tree(target: PreTrainedModel, tree: DraftTree, cache: DynamicCache, p
     """The float logits [N, vocab] of one row's tree after `past_len` committed tokens in `cache` (a
     `ragged.decode_cache`); what `dart-hf calibrate` times. The tree's entries stay in the cache (crop them off)."""
     valid = torch.ones(1, past_len, dtype=torch.bool, device=tree.tokens.device)
-    return verify_batch(target, TreeBatch.stack([tree]), RaggedCache(cache, valid, target.config))[0][0]
+    return verify_batch(target, DraftTrees.stack([tree]), RaggedCache(cache, valid, target.config))[0][0]

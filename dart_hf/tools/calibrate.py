@@ -288,7 +288,7 @@ def measure_batch_verify_cost(target, rows: Sequence[int] = (1, 2, 4, 8), nodes:
     as `measure_verify_cost`. Returns {"rows", "nodes", "seconds": [len(rows)][len(nodes)], "past_len", ...};
     `extra`: more (R, N) pairs timed in the same rounds, in "extra_seconds" {"R,N": seconds}."""
     from ..core.ragged import RaggedCache
-    from ..core.tree_batch import TreeBatch
+    from ..core.tree import DraftTrees
     from ..core.verify import verify_batch
 
     device = target.device
@@ -306,7 +306,7 @@ def measure_batch_verify_cost(target, rows: Sequence[int] = (1, 2, 4, 8), nodes:
             target(input_ids=prompt[:r], use_cache=True, logits_to_keep=1, **cache_kwargs(target, cache))
             caches[r] = RaggedCache(cache, torch.ones(r, past_len, dtype=torch.bool, device=device), target.config)
         trees = [synthetic_tree(n, device, cfg.vocab_size, seed=seed + 97 * i + n) for i in range(r)]
-        setups[(r, n)] = (caches[r], TreeBatch.stack(trees))
+        setups[(r, n)] = (caches[r], DraftTrees.stack(trees))
     started = time.perf_counter()
 
     def timed(ragged, trees) -> float:

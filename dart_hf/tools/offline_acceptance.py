@@ -26,11 +26,11 @@ from transformers import PreTrainedModel
 
 from ..core.configuration import check_config_matches_target
 from ..core.modeling import DartHead, TargetModules
-from ..core.acceptance import greedy_path
+from ..core.acceptance import greedy_paths
 from ..core.drafter import draft_depth
 from ..core.prompt_lookup import lookup_for_tree
 from ..core.target import aux_request, aux_states
-from ..core.tree import TreeSearchParams, build_tree
+from ..core.tree import DraftTrees, TreeSearchParams, build_tree
 
 KEEP = 64
 """Draft logits kept per row: the tree reads the top `tree_top_k` of them (25 by default, at most KEEP); the
@@ -147,7 +147,7 @@ def mean_accepted_length(
                               lookup=lookup)
             # the target's greedy token after each node is the text's token one depth further (-1 past its end)
             after = torch.cat([seq[j + 1 :], seq.new_full((tree.size,), -1)])
-            drafted = greedy_path(tree, after[tree.depths]).numel() - 1
+            drafted = int(greedy_paths(DraftTrees.stack([tree]), after[tree.depths][None])[1][0]) - 1
             appended = min(drafted + 1, seq.numel() - 1 - j)
             steps, tokens, j = steps + 1, tokens + appended, j + appended
     return tokens / max(steps, 1)
