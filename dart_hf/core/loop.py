@@ -24,7 +24,7 @@ What plain batched `generate` does, and how it is kept:
   own batch index (`rows.RowProcessor`). In a batch they are called once per row and token, not once per token for
   the batch, so state kept across calls would see other calls than in `generate` (SynthID is refused there).
 - Sampling: per row, the walk's rule (the target's own draw at each visited node, one multinomial per token). The
-  same seed gives the same text; in a batch each row draws from its own stream (`_row_streams`, seeded from torch's),
+  same seed gives the same text; in a batch each row draws from its own stream (`rows.RowStreams`, seeded from torch's),
   so the draws are not those of plain batched `generate`, whose single multinomial per step covers all rows at once.
 """
 
@@ -45,7 +45,7 @@ from .drafter import DartDrafter, default_node_budget
 from .modeling import DartHead
 from .ragged import RaggedCache
 from .static_step import static_call
-from .rows import ColumnStream, RowProcessor, Rows, final_length, result, scores_after_stop
+from .rows import ColumnStream, RowProcessor, Rows, RowStreams, final_length, result, scores_after_stop
 from .stats import DartStats, PhaseTimer
 from .stopping import fast_criteria, first_stop, first_stops
 from .target import aux_request, aux_states, cache_kwargs
@@ -119,7 +119,7 @@ def dart_decode(
         head, model, max_length=config.max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
         eos_token_ids=config._eos_token_tensor, rows=len(rows))
     out_stream = ColumnStream(dart_streamer, rows, pad_id)
-    streams = _row_streams(len(rows), input_ids.device) if do_sample and len(rows) > 1 else None
+    streams = RowStreams(len(rows)) if do_sample and len(rows) > 1 else None
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
@@ -173,7 +173,8 @@ def dart_decode(
             else:
                 step = BatchAccepted.from_rows([
                     _walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b],
-                          RowProcessor(logits_processor, b, len(rows)), do_sample, streams[b] if streams else None)
+                          RowProcessor(logits_processor, b, len(rows)), do_sample,
+                          streams.get(b, logits.device) if streams else None)
                     for i, b in enumerate(active)
                 ])
             ragged.commit(step.paths, step.lengths)
@@ -236,12 +237,6 @@ def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool
     """The single-row acceptance walk on one row: `context` is the row as `generate` holds it."""
     return accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample, generator)
 
-
-def _row_streams(rows: int, device: torch.device) -> list[torch.Generator]:
-    """One random stream per row of a sampled batch, seeded from torch's own (so `torch.manual_seed` decides them):
-    a row's draws then do not depend on how many tokens the other rows accepted in a step, and the same seed gives
-    the same text whatever trees the budget chose (its choices depend on measured times)."""
-    return [torch.Generator(device=device).manual_seed(seed) for seed in torch.randint(0, 2**62, (rows,)).tolist()]
 
 
 def _observe_batch(policy: BudgetPolicy, trees: DraftTrees, step: BatchAccepted, lengths: list[int], budget: int,

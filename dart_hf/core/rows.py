@@ -42,6 +42,22 @@ class Rows:
 
 
 
+class RowStreams:
+    """One random stream per row of a sampled batch, seeded from torch's own (so `torch.manual_seed` decides them):
+    a row's draws then do not depend on how many tokens the other rows accepted in a step, and the same seed gives
+    the same text whatever trees the budget chose (its choices depend on measured times)."""
+
+    def __init__(self, rows: int):
+        self.seeds = torch.randint(0, 2**62, (rows,)).tolist()
+        self.generators: dict[int, torch.Generator] = {}
+
+    def get(self, row: int, device: torch.device) -> torch.Generator:
+        """Row `row`'s stream, on the device of the logits it samples from (made at its first draw)."""
+        if row not in self.generators:
+            self.generators[row] = torch.Generator(device=device).manual_seed(self.seeds[row])
+        return self.generators[row]
+
+
 class RowProcessor:
     """The call's logits processors applied to ONE row b of the batch, as `generate` applies them to the whole batch.
 
