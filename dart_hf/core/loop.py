@@ -247,7 +247,7 @@ def _observe_batch(policy: BudgetPolicy, trees: DraftTrees, step: BatchAccepted,
     scale s(n) carries that size's drafting too and the per-row drafting cost is 0 (the model stays
     T = s(n) * curve + R * D(n), learnt on every device)."""
     with policy.lock:
-        rows, tokens = len(trees.trees), trees.tokens.numel()
+        rows, tokens = trees.tokens.shape[0], trees.tokens.numel()
         if timer.exact:
             policy.batch_times.observe(rows, budget, tokens, timer.last["verify"], drafting, steady=steady)
         else:
