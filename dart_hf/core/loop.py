@@ -119,7 +119,7 @@ def dart_decode(
         head, model, max_length=config.max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
         eos_token_ids=config._eos_token_tensor, rows=len(rows))
     out_stream = ColumnStream(dart_streamer, rows, pad_id)
-    streams = RowStreams(len(rows)) if do_sample and len(rows) > 1 else None
+    streams = RowStreams(len(rows), model.device) if do_sample and len(rows) > 1 else None
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 

@@ -43,12 +43,13 @@ class Rows:
 
 
 class RowStreams:
-    """One random stream per row of a sampled batch, seeded from torch's own (so `torch.manual_seed` decides them):
-    a row's draws then do not depend on how many tokens the other rows accepted in a step, and the same seed gives
-    the same text whatever trees the budget chose (its choices depend on measured times)."""
+    """One random stream per row of a sampled batch, seeded from the default generator of `device` (the target's: the
+    one plain sampling draws from, so `torch.manual_seed` decides them, and tensor-parallel ranks check it is the
+    same): a row's draws then do not depend on how many tokens the other rows accepted in a step, and the same seed
+    gives the same text whatever trees the budget chose (its choices depend on measured times)."""
 
-    def __init__(self, rows: int):
-        self.seeds = torch.randint(0, 2**62, (rows,)).tolist()
+    def __init__(self, rows: int, device: torch.device):
+        self.seeds = torch.randint(0, 2**62, (rows,), device=device).tolist()
         self.generators: dict[int, torch.Generator] = {}
 
     def get(self, row: int, device: torch.device) -> torch.Generator:
