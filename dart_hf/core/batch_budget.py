@@ -67,9 +67,9 @@ class BatchTimes:
     def step_seconds(self, rows: int, catch_up: bool = False) -> np.ndarray:
         """T(rows, n) per candidate n: s(n) from the recent verifies of `rows` rows at n (of the nearest measured batch
         size where `rows` has none; a tree size without its own: the nearest measured tree size's, else all sizes';
-        1 before any), D(n) the median per-row drafting of recent steady
-        steps at the nearest measured n (without any steady step, or with `catch_up`: of any drafting step, catch-up
-        included: dearer, never cheaper; 0 before any). n = 0: no drafting."""
+        1 before any), D(n) the median per-row drafting of recent steady steps at the nearest measured n (without any
+        steady step, or with `catch_up`: of any drafting step, catch-up included: dearer, never cheaper; 0 before
+        any). n = 0: no drafting."""
         cands = self.policy.candidates
         sizes = {r for r, _ in self.scale}
         near = min(sizes, key=lambda r: abs(np.log(r / rows))) if sizes else None
