@@ -641,12 +641,12 @@ def test_batch_rule_learns_from_whole_steps_where_phase_times_are_launch_times()
 
     from dart_hf.core.acceptance import BatchAccepted
     from dart_hf.core.loop import _observe_batch
-    from dart_hf.core.tree import DraftTrees, root_tree
+    from dart_hf.core.tree import DraftTrees
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     curve = VerifyCost(sizes, [0.050 + 0.001 * n for n in sizes])
     policy = informed_policy(curve)
-    trees = DraftTrees.stack([root_tree(torch.tensor(5), torch.device("cpu")) for _ in range(4)])
+    trees = DraftTrees.roots(torch.full((4,), 5))
     step = BatchAccepted(paths=torch.zeros(4, 1, dtype=torch.long), lengths=torch.ones(4, dtype=torch.long),
                          tokens=torch.zeros(4, 1, dtype=torch.long))
     launch_times = SimpleNamespace(exact=False, last={"verify": 1e-5})

@@ -94,26 +94,24 @@ def batch_budget(policy, rows: int, drafting_only: bool = False) -> int:
     expected = _expected(policy)
     if expected is None:
         return first_tree(policy, rows)
-    tps = rows * (1.0 + expected) / np.maximum(policy.batch_times.step_seconds(rows), 1e-9)
-    if drafting_only:
-        tps[0] = -np.inf
-    best = int(np.argmax(tps))
-    if best > 0 and tps[best] < (1.0 + policy.knobs.batch_margin) * tps[0]:
-        return 0
-    return int(policy.candidates[best])
+    return _best(policy, rows * (1.0 + expected) / np.maximum(policy.batch_times.step_seconds(rows), 1e-9),
+                 drafting_only)
 
 
 def next_batch_budget(policy, rows: int) -> int:
     """This batched step's budget: `batch_budget`'s choice, or a probe of the other side (module docstring). Call
     under `policy.lock`."""
-    choice = batch_budget(policy, rows)
     expected = _expected(policy)
     if expected is None:
-        return choice
+        return first_tree(policy, rows)
     times, cands = policy.batch_times, policy.candidates
-    other = batch_budget(policy, rows, drafting_only=True) if choice == 0 else 0
+    seconds = times.step_seconds(rows)
+    tps = rows * (1.0 + expected) / np.maximum(seconds, 1e-9)
+    choice = _best(policy, tps)
+    other = _best(policy, tps, drafting_only=True) if choice == 0 else 0
     i, j = cands.index(choice), cands.index(other)
-    seconds = times.step_seconds(rows, catch_up=other > 0)
+    if other > 0:  # a drafting probe follows plain steps: priced with its head's catch-up
+        seconds = times.step_seconds(rows, catch_up=True)
     at_choice = seconds[i] / (1.0 + expected[i])  # seconds per token per row at the choice
     loss = max(seconds[j] - (1.0 + expected[j]) * at_choice, policy.knobs.batch_margin * seconds[i])
     times.probing = times.since_probe * policy.knobs.probe_share > loss
@@ -121,6 +119,18 @@ def next_batch_budget(policy, rows: int) -> int:
         times.since_probe = 0.0
         return other
     return choice
+
+
+def _best(policy, tps: np.ndarray, drafting_only: bool = False) -> int:
+    """The candidate of the most tokens per second `tps` (a tree only where it beats plain decoding by
+    `batch_margin`; drafting_only: the best tree)."""
+    if drafting_only:
+        tps = tps.copy()
+        tps[0] = -np.inf
+    best = int(np.argmax(tps))
+    if best > 0 and tps[best] < (1.0 + policy.knobs.batch_margin) * tps[0]:
+        return 0
+    return int(policy.candidates[best])
 
 
 def first_tree(policy, rows: int) -> int:

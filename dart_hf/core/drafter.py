@@ -17,7 +17,7 @@ from .modeling import DartHead, TargetModules
 from .ngram import NGramModel
 from .prompt_lookup import lookup_for_tree
 from .stats import PhaseTimer
-from .tree import DraftTrees, TreeSearchParams, build_trees, last_tokens, root_tree
+from .tree import DraftTrees, TreeSearchParams, build_trees, last_tokens
 
 
 def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
@@ -131,7 +131,7 @@ class DartDrafter:
         used = torch.tensor(self.used, device=self.device)
         roots = self.text.gather(1, (used - 1).view(-1, 1)).view(-1)
         if self.params.node_budget == 0 or all(self.exhausted):
-            return DraftTrees.stack([root_tree(r, self.device) for r in roots])
+            return DraftTrees.roots(roots)
         if any(n == 0 for n, done in zip(self.pending, self.exhausted) if not done):
             raise RuntimeError("propose() before advance(): the head has no target states to draft from")
         depth = draft_depth(self.params, max(limits), self.head.config.num_predictions)

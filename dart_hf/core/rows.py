@@ -41,7 +41,6 @@ class Rows:
         return self.seqs[b].numel()
 
 
-
 class RowStreams:
     """One random stream per row of a sampled batch, seeded from the default generator of `device` (the target's: the
     one plain sampling draws from, so `torch.manual_seed` decides them, and tensor-parallel ranks check it is the

@@ -32,7 +32,7 @@ from .acceptance import BatchAccepted, accept_walk, greedy_paths
 from .modeling import DartHead, TargetModules
 from .distributed import tensor_parallel_group
 from .ragged import backend_mask, decode_cache, layer_windows
-from .prompt_lookup import lookup_continuation
+from .prompt_lookup import lookup_continuations
 from .tree import DraftTrees, TreeSearchParams, build_trees, last_tokens
 
 SLOT_ROUNDING = 256  # cache lengths are rounded up to this, so calls of nearby lengths share one compiled graph
@@ -157,8 +157,7 @@ def draft_tree(head: DartHead, modules: TargetModules, s: StaticHeadState, spec:
     context = last_tokens(s.text.unsqueeze(0), s.text_len.view(1), spec.context)
     lookup = None
     if spec.lookup is not None:
-        tokens, valid = lookup_continuation(s.text, spec.depth, *spec.lookup, used=s.text_len)
-        lookup = tokens[None], valid[None]
+        lookup = lookup_continuations(s.text[None], spec.depth, *spec.lookup, used=s.text_len.view(1))
     return build_trees(logits[None], context[:, -1], context, spec.params, ngram=ngram,
                        draft_to_target=head.draft_to_target, eos_token_ids=eos, lookup=lookup, fixed_size=True)
 

@@ -22,7 +22,7 @@ ancestor would be outranked by B nodes, and so would its descendants), so a B-wi
 
 Everything is batched torch over (beams x top-k) per depth: the only Python loop is over depths (K+1).
 Every term is <= 0, so scores never increase along a path and a parent precedes its children in pool order:
-the chosen set is closed under ancestors, which `DraftTree.check_closed` asserts in tests.
+the chosen set is closed under ancestors, which the tests assert (`check_closed` in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -100,13 +100,6 @@ class DraftTree:
         """Node indices (root first) of the best-scoring draft among the deepest ones: the tree as a chain."""
         deepest = torch.where(self.depths == self.depths.max(), self.scores, float("-inf")).argmax()
         return self.ancestor_mask[deepest].nonzero().squeeze(1)
-
-
-def root_tree(token: torch.Tensor, device: torch.device) -> DraftTree:
-    """The tree of budget 0: the root alone (verifying it is one plain decoding step)."""
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    return DraftTree(token.view(1).to(device=device, dtype=torch.long), zero, zero,
-                     torch.ones(1, 1, dtype=torch.bool, device=device), torch.zeros(1, device=device))
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -235,6 +228,15 @@ class DraftTrees:
             return self
         return DraftTrees(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.ancestor_mask,
                                                     self.scores, self.sizes)))
+
+    @classmethod
+    def roots(cls, tokens: torch.Tensor) -> "DraftTrees":
+        """The trees of budget 0, one per root token in `tokens` [rows]: each root alone (verifying them is one plain
+        decoding step)."""
+        rows, device = tokens.numel(), tokens.device
+        zeros = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        return cls(tokens.view(rows, 1).long(), zeros, zeros, torch.ones(rows, 1, 1, dtype=torch.bool, device=device),
+                   torch.zeros(rows, 1, device=device), torch.ones(rows, dtype=torch.long, device=device))
 
     @classmethod
     def stack(cls, trees: list[DraftTree]) -> "DraftTrees":
