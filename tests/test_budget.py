@@ -203,6 +203,24 @@ def test_when_drafting_does_not_pay_the_policy_decodes_plainly_and_probes_rarely
     assert back < 1000 and policy.choice > 0 and chosen[-100:].count(0) <= 10, back
 
 
+def test_after_a_slow_spell_the_tree_is_priced_by_its_probes_not_by_the_spell():
+    """Measured on a 2-core CPU: a 4-node tree ~7% ahead of plain decoding, then a load spike makes it 10% slower for
+    a dozen steps and plain decoding becomes the choice. Once the spike is gone the tree is timed only by probes; its
+    price is the median of its last 3 times (two fast probes), not of 9 (five probes, 27 plain steps here)."""
+    curve = VerifyCost([1, 5, 9], [0.032, 0.043, 0.060])
+    clock = FakeClock()
+    policy = BudgetPolicy(curve, BudgetKnobs(half_life=1e9), clock=clock)
+    assert policy.candidates == [0, 4, 8]
+    quiet = lambda b: 0.067 if b == 0 else 0.082 + curve(b + 1)
+    accepts_one = np.r_[1.0, np.zeros(95)]  # every tree accepts exactly one token: 2 / 0.125 s vs 1 / 0.067 s
+    simulate(policy, clock, quiet, accepts_one, 300)
+    assert policy.choice == 4
+    simulate(policy, clock, lambda b: quiet(b) * (1.0 if b == 0 else 1.1), accepts_one, 12)
+    assert policy.choice == 0
+    after = simulate(policy, clock, quiet, accepts_one, 100)
+    assert after.count(0) <= 15 and policy.choice == 4, after.count(0)
+
+
 def test_plain_decoding_is_not_retimed_each_time_its_times_expire():
     """Where trees clearly pay, plain decoding runs only as paced probes: its expired step times stand until a probe
     replaces them (re-timing it each `max_age` steps would cost steps that clearly lose)."""

@@ -7,7 +7,9 @@ closed under ancestors, so it would have accepted #{path score ranks < B'} draft
 estimate under sampling). Counts decay (`half_life` steps).
 
 T(B): the median of this run's last `window` whole-step times at B within `max_age` steps (a load shows as it
-happens; a time measured under another load expires). An untimed tree size is priced from the nearest timed one A
+happens; a time measured under another load expires); for a B that is not the choice, of its last `probe_window`
+times: those come from probes, one every few dozen steps, so a window of 9 would price it for ~100 steps by the load
+it last ran under (a slow spell kept a 4-node tree priced 10% dear, and plain decoding chosen, for ~50 steps). An untimed tree size is priced from the nearest timed one A
 through the verify curve (`dart_hf.core.cost`) at the cheaper of T(A) + c(B + 1) - c(A + 1) and
 T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it, and a price too cheap gets timed and
 corrected, while one too dear is never timed again. Plain decoding is timed, never priced (its last times stand
@@ -54,7 +56,8 @@ class BudgetKnobs:
     max_budget: int = 95  # largest candidate tree (nodes besides the root)
     warmup_steps: int = 3  # first steps of a policy, at the largest candidate
     probe_share: float = 0.01  # a probe's expected loss, as a share of the time since the last probe
-    window: int = 9  # recent step times per budget (median)
+    window: int = 9  # recent step times of the choice (median)
+    probe_window: int = 3  # recent step times of a budget that is not the choice (median)
     max_age: int = 64  # steps after which a step time expires
     half_life: float = 256.0  # steps; discount of the acceptance counts
     no_curve_budget: int = 3  # the tree size without a calibrated curve, CPU
@@ -139,7 +142,8 @@ class BudgetPolicy:
             fresh.update({b: [s for _, s in self.times[b]] for b in self.candidates[1:]})
         if not fresh[0]:  # plain decoding's last times stand until a probe replaces them (it is never priced)
             fresh[0] = [s for _, s in self.times[0]]
-        timed = {b: statistics.median(t) for b, t in fresh.items() if t}
+        last = {b: self.knobs.window if b == self.choice else self.knobs.probe_window for b in self.candidates}
+        timed = {b: statistics.median(t[-last[b]:]) for b, t in fresh.items() if t}
         out = np.full(len(self.candidates), np.nan)
         for i, b in enumerate(self.candidates):
             if b in timed:
