@@ -108,6 +108,36 @@ def test_fixed_budgets_including_plain_steps(llama_ngram, budget):
     assert torch.equal(dart(target, head, ids, mask, max_new_tokens=25, dart_node_budget=budget), ref)
 
 
+def test_plain_steps_have_the_head_read_waiting_states_in_blocks(llama_ngram):
+    """Through a long run of plain steps (budget 0) no row keeps more than `PENDING_LIMIT` target states waiting (their
+    memory, and the catch-up of the next tree's head forward, stay bounded), and the next tree is the one the head
+    drafts when it reads them all at once."""
+    from dart_hf.core.drafter import PENDING_LIMIT
+    from dart_hf.core.stats import PhaseTimer
+
+    target, head = llama_ngram
+    rows, steps = 2, 2 * PENDING_LIMIT + 5
+    gen = torch.Generator().manual_seed(0)
+    aux = torch.randn(rows, steps, 3 * target.config.hidden_size, generator=gen)
+    tokens = torch.randint(3, target.config.vocab_size, (rows, steps + 1), generator=gen)
+    timer = PhaseTimer({}, head.device)
+
+    def next_tree(plain_steps: bool):
+        drafter = DartDrafter(head, target, max_length=1024, node_budget=3, prompt_lookup=False, eos_token_ids=None,
+                              rows=rows)
+        drafter.start(tokens[:, 0])
+        for t in range(steps):
+            drafter.advance(aux[:, t : t + 1], tokens[:, t + 1 : t + 2])
+            if plain_steps:
+                assert drafter.propose([64] * rows, timer, 0).width == 1
+                assert max(drafter.pending) < PENDING_LIMIT
+        return drafter.propose([64] * rows, timer, 3)
+
+    waited, read_in_blocks = next_tree(False), next_tree(True)
+    assert torch.equal(read_in_blocks.tokens, waited.tokens) and torch.equal(read_in_blocks.parents, waited.parents)
+    torch.testing.assert_close(read_in_blocks.scores, waited.scores)
+
+
 def test_holes_compacted_often_stay_lossless(llama_ngram, monkeypatch):
     target, head = llama_ngram
     compactions = []

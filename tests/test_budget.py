@@ -640,6 +640,7 @@ def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_draftin
     budgets = head.stats["node_budgets"]
     assert len(budgets) >= 8 and budgets == [script[i % 8] for i in range(len(budgets))]
     assert len(batched) >= 8 and batched == budgets[: len(batched)]
+    assert policy.steps == len(budgets)  # a batched step counts once for the ages of step times, not once per row
     budgets = batched
     scales = policy.batch_times.scale  # (rows, n): measured / curve verify times
     assert sum(len(s) for s in scales.values()) >= min(len(budgets), policy.knobs.batch_window)

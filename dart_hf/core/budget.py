@@ -110,17 +110,25 @@ class BudgetPolicy:
         seconds = self.clock() - started if started is not None else None
         self._step.started = None
         with self.lock:
-            self._record(budget, ranks, seconds)
+            self._record(budget, [ranks], seconds)
 
-    def _record(self, budget: int, ranks: Sequence[int], seconds: float | None) -> None:
+    def observe_rows(self, budget: int, ranks: Sequence[Sequence[int]]) -> None:
+        """A batched step at `budget` ended: every row's accepted path's score ranks (none at budget 0). Each row is an
+        acceptance observation; the step counts once for the ages of the step times, and gives none (a batched step
+        is not a single-row step time: `batch_budget` keeps what it measured)."""
+        with self.lock:
+            self._record(budget, ranks, None)
+
+    def _record(self, budget: int, rows_ranks: Sequence[Sequence[int]], seconds: float | None) -> None:
         self.steps += 1
         if budget > 0:
             b = min(int(budget), self.largest)
-            ranks = np.asarray(ranks, dtype=np.int64).reshape(-1)
-            self.inc *= self.decay
-            self.obs *= self.decay
-            np.add.at(self.inc, ranks[ranks < b] + 1, 1.0)
-            self.obs[1 : b + 1] += 1.0
+            for ranks in rows_ranks:
+                ranks = np.asarray(ranks, dtype=np.int64).reshape(-1)
+                self.inc *= self.decay
+                self.obs *= self.decay
+                np.add.at(self.inc, ranks[ranks < b] + 1, 1.0)
+                self.obs[1 : b + 1] += 1.0
         if seconds is not None and budget in self.times:
             self.times[budget].append((self.steps, seconds))
             self._since_probe += 0.0 if self._probing else seconds

@@ -19,6 +19,8 @@ from .prompt_lookup import lookup_for_tree
 from .stats import PhaseTimer
 from .tree import DraftTrees, TreeSearchParams, build_trees, last_tokens
 
+PENDING_LIMIT = 64  # positions a row may keep waiting through plain steps before the head reads them
+
 
 def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
     """One node budget for a whole call (chain mode): the head config's, or for a cost-aware head
@@ -120,8 +122,9 @@ class DartDrafter:
         """The draft trees of `node_budget` nodes (default: the budget this drafter was made with), one per row:
         row b's rooted at the last token of its text, at most max_new[b] tokens deep (>= 0), padded to one node
         count, on the head's device. The head drafts only as deep as a tree can reach: min(node budget,
-        the deepest max_new, K + 1) rows. Budget 0 gives every row its root alone: no head forward, no search (the
-        target's states wait for the next tree)."""
+        the deepest max_new, K + 1) rows. Budget 0 gives every row its root alone: no search, and no head forward
+        until a row has `PENDING_LIMIT` positions waiting (the target's states wait for the next tree; a long run of
+        plain steps has the head read them in blocks, so their memory and the next tree's catch-up stay bounded)."""
         if node_budget is not None and node_budget != self.params.node_budget:
             self.params = replace(self.params, node_budget=int(node_budget))
         limits = [min(m, self.limit - n - 1) for n, m in zip(self.used, max_new)]
@@ -131,6 +134,9 @@ class DartDrafter:
         used = torch.tensor(self.used, device=self.device)
         roots = self.text.gather(1, (used - 1).view(-1, 1)).view(-1)
         if self.params.node_budget == 0 or all(self.exhausted):
+            if max(self.pending) >= PENDING_LIMIT:
+                with timer.phase("draft"):
+                    self._draft(1)  # the head's cache takes them in; the one draft row is not used
             return DraftTrees.roots(roots)
         if any(n == 0 for n, done in zip(self.pending, self.exhausted) if not done):
             raise RuntimeError("propose() before advance(): the head has no target states to draft from")

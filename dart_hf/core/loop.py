@@ -252,10 +252,8 @@ def _observe_batch(policy: BudgetPolicy, trees: DraftTrees, step: BatchAccepted,
             policy.batch_times.observe(rows, budget, tokens, timer.last["verify"], drafting, steady=steady)
         else:
             policy.batch_times.observe(rows, budget, tokens, wall, 0.0, steady=steady)
-    if budget > 0:
-        for i, tree in enumerate(trees.trees):
-            path = step.paths[i, : lengths[i]].to(tree.tokens.device)
-            policy.observe(budget, path_ranks(tree, path).tolist())
+    policy.observe_rows(budget, [path_ranks(tree, step.paths[i, : lengths[i]].to(tree.tokens.device)).tolist()
+                                 for i, tree in enumerate(trees.trees)] if budget > 0 else [])
 
 
 def _drafting_seconds(timer: PhaseTimer) -> float:
