@@ -22,12 +22,12 @@ from dart_hf_cli import main as cli
 from dart_hf.core import budget as budget_module
 from dart_hf.core import cost as cost_module
 from dart_hf.core.ragged import decode_cache
-from dart_hf.core.budget import BudgetKnobs, BudgetPolicy, BudgetState, budget_policy
+from dart_hf.core.budget import BudgetKnobs, BudgetPolicy, BudgetState, budget_policy, path_ranks
 from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf.core.drafter import default_node_budget
 from dart_hf.tools import calibrate as calibration
 from dart_hf.core.stopping import first_stops
-from dart_hf.core.tree import TreeSearchParams, build_tree
+from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
 from dart_hf.core.verify import verify_tree
 
 
@@ -80,7 +80,7 @@ def test_counterfactual_acceptance_equals_rebuilding_smaller_trees():
             tree = build_tree(draft, params=params(budget), **kw)
             path, new = accept_greedy(tree, verify_tree(target, tree, cache, past))
             policy = BudgetPolicy(VerifyCost(list(range(1, budget + 2)), [0.01] * (budget + 1)))  # budgets 0..48
-            policy.observe_tree(tree, path, budget)
+            policy.observe(budget, path_ranks(DraftTrees.stack([tree]), path[None], [path.numel()])[0])
             assert policy.expected_accepted()[1:].tolist() == actual  # what it predicts for every smaller tree
             assert actual[-1] == path.numel() - 1
             lengths.append(actual[-1])

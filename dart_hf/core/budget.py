@@ -9,9 +9,9 @@ estimate under sampling). Counts decay (`half_life` steps).
 T(B): the median of this run's last `window` whole-step times at B within `max_age` steps (a load shows as it
 happens; a time measured under another load expires); for a B that is not the choice, of its last `probe_window`
 times: those come from probes, one every few dozen steps, so a window of 9 would price it for ~100 steps by the load
-it last ran under (a slow spell kept a 4-node tree priced 10% dear, and plain decoding chosen, for ~50 steps). An untimed tree size is priced from the nearest timed one A
-through the verify curve (`dart_hf.core.cost`) at the cheaper of T(A) + c(B + 1) - c(A + 1) and
-T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it, and a price too cheap gets timed and
+it last ran under (a slow spell kept a 4-node tree priced 10% dear, and plain decoding chosen, for ~50 steps). An
+untimed tree size is priced from the nearest timed one A through the verify curve (`dart_hf.core.cost`) at the
+cheaper of T(A) + c(B + 1) - c(A + 1) and T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it, and a price too cheap gets timed and
 corrected, while one too dear is never timed again. Plain decoding is timed, never priced (its last times stand
 until a probe replaces them), and when no tree has recent times the older ones stand.
 
@@ -48,7 +48,7 @@ import transformers
 
 from .batch_budget import BatchTimes
 from .cost import VerifyCost, cost_file, cost_key, load_curve, nearest_size
-from .tree import DraftTree
+from .tree import DraftTrees
 
 
 @dataclass
@@ -66,10 +66,14 @@ class BudgetKnobs:
     batch_margin: float = 0.1  # a batch drafts only when a tree promises this much more than plain decoding
 
 
-def path_ranks(tree: DraftTree, path: torch.Tensor) -> torch.Tensor:
-    """Score rank (0 = best non-root node) of every accepted draft node (path without the root), ascending."""
-    scores = tree.scores[1:]
-    return (scores.unsqueeze(0) > tree.scores[path[1:]].unsqueeze(1)).sum(dim=1)
+def path_ranks(trees: DraftTrees, paths: torch.Tensor, lengths: Sequence[int]) -> list[list[int]]:
+    """Per row, the score rank (0 = best non-root node) of every accepted draft node (the path without its root), in
+    path order. paths [rows, M]: root first, the first lengths[r] of row r real. Padding nodes score -inf, so they
+    outrank nothing. One host read for every row."""
+    scores = trees.scores
+    on_path = scores.gather(1, paths[:, 1:].to(scores.device))  # [rows, M - 1]
+    ranks = (scores[:, None, 1:] > on_path[:, :, None]).sum(dim=2).tolist()
+    return [r[: n - 1] for r, n in zip(ranks, lengths)]
 
 
 class BudgetPolicy:
@@ -132,9 +136,6 @@ class BudgetPolicy:
         if seconds is not None and budget in self.times:
             self.times[budget].append((self.steps, seconds))
             self._since_probe += 0.0 if self._probing else seconds
-
-    def observe_tree(self, tree: DraftTree, path: torch.Tensor, budget: int) -> None:
-        self.observe(budget, path_ranks(tree, path).tolist() if budget > 0 else ())
 
     # -- estimates
     def expected_accepted(self) -> np.ndarray:

@@ -185,7 +185,7 @@ def dart_decode(
                             lengths)
             n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
         if single:
-            policy.observe_tree(trees.trees[0], step.paths[0, : lengths[0]].to(trees.tokens.device), budget)
+            policy.observe(budget, path_ranks(trees, step.paths, lengths)[0] if budget > 0 else ())
         elif policy is not None:
             _observe_batch(policy, trees, step, lengths, budget, timer, _drafting_seconds(timer) - drafted,
                            drafted_before, wall)
@@ -238,7 +238,6 @@ def _walk(tree, logits, context, logits_processor: RowProcessor, do_sample: bool
     return accept_walk(tree, logits, context.unsqueeze(0), logits_processor, do_sample, generator)
 
 
-
 def _observe_batch(policy: BudgetPolicy, trees: DraftTrees, step: BatchAccepted, lengths: list[int], budget: int,
                    timer: PhaseTimer, drafting: float, steady: bool, wall: float) -> None:
     """What a batched step tells the batch rule: its verify scale and per-row drafting cost, and each row's acceptance
@@ -252,8 +251,7 @@ def _observe_batch(policy: BudgetPolicy, trees: DraftTrees, step: BatchAccepted,
             policy.batch_times.observe(rows, budget, tokens, timer.last["verify"], drafting, steady=steady)
         else:
             policy.batch_times.observe(rows, budget, tokens, wall, 0.0, steady=steady)
-    policy.observe_rows(budget, [path_ranks(tree, step.paths[i, : lengths[i]].to(tree.tokens.device)).tolist()
-                                 for i, tree in enumerate(trees.trees)] if budget > 0 else [])
+    policy.observe_rows(budget, path_ranks(trees, step.paths, lengths) if budget > 0 else [])
 
 
 def _drafting_seconds(timer: PhaseTimer) -> float:
