@@ -5,7 +5,8 @@ runs `tests/tp_worker.py` on tiny Llama- and Qwen3-shaped targets loaded tensor-
 Greedy: every rank's output equals single-process plain `generate` (tree and chain mode, one row and a left-padded
 batch, a fixed and the cost-aware budget). Sampling: the same seed gives the same ids on every rank. Refused with the
 same ValueError on every rank: ranks with different seeds when sampling, a head that differs across ranks. A rank
-that fails ends every rank well before the timeout (the launcher ends the ranks waiting in a collective).
+that fails ends every rank well before the timeout (the launcher ends the others, or their collective sees its
+connection close).
 """
 
 from __future__ import annotations
@@ -149,9 +150,15 @@ def test_a_failing_rank_ends_every_rank_before_the_timeout(tmp_path):
             "fail_rank": 1}  # rank 0 goes on into loading and generate: its first collective waits for rank 1
     result = launch(spec, tmp_path, timeout=120)  # a rank left waiting in a collective would hit this limit
     assert result.returncode != 0 and "rank 1 fails on purpose" in result.stdout
-    # rank 0, waiting in its first collective for rank 1, was ended by the launcher, not by a collective's timeout
+    # rank 0, in or on its way to its first collective with rank 1, ended at once: either the launcher ended it
+    # (SIGTERM, -15) or, when rank 1's exit reached it first, gloo saw the peer's connection close (exit 1). Which
+    # comes first is a race on a loaded machine; a collective's timeout (30 min) is never what ends it.
     report = result.stdout[result.stdout.index("Failures:"):]
-    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s+exitcode\s*: -15", report), report
+    rank0 = re.search(r"rank\s*: 0 \(local_rank: 0\)\s+exitcode\s*: (-?\d+)", report)
+    assert rank0 and rank0.group(1) in ("-15", "1"), report
+    if rank0.group(1) == "1":
+        assert "Connection closed by peer" in result.stdout, result.stdout[-4000:]
+    assert "timed out" not in result.stdout.lower() and "timeout" not in result.stdout.lower()
     assert not (tmp_path / "rank0.json").exists()
 
 
