@@ -141,6 +141,36 @@ def test_a_flat_curve_gets_large_trees():
     assert sum(b >= 47 for b in chosen[-100:]) >= 90
 
 
+def close_race(knobs: BudgetKnobs, lead: float, seeds: int = 20, steps: int = 600) -> tuple[int, float]:
+    """Candidates plain / 4 / 8 nodes; the 4-node tree gives `lead` x plain decoding's tokens per second (E[accepted]
+    0.94 over 1.94 / lead plain steps), the 8-node one 0.92x; acceptance drawn at random. Returns (how many seeds
+    drafted the 4-node tree on under half of the last 200 steps, the mean tokens per second over plain decoding's)."""
+    increments = np.array([0.4, 0.25, 0.17, 0.12, 0.1, 0.1, 0.08, 0.08])
+    cost = {0: 0.07, 4: 0.07 * 1.94 / lead, 8: 0.07 * 2.5}
+    curve = VerifyCost([1, 5, 9], [cost[0], cost[4], cost[8]])
+    missed, speed = 0, []
+    for seed in range(seeds):
+        clock = FakeClock()
+        chosen = simulate(BudgetPolicy(curve, knobs, clock=clock), clock, cost.get, increments, steps, seed=seed)
+        missed += sum(b == 4 for b in chosen[-200:]) < 100
+        tokens = sum(1 + increments[:b].sum() for b in chosen)
+        speed.append(tokens / sum(cost[b] for b in chosen) * cost[0])
+    return missed, float(np.mean(speed))
+
+
+def test_an_unlucky_start_does_not_space_out_the_probes_of_a_better_tree():
+    """A tree 10% ahead of plain decoding whose first steps accepted little: its probes are priced at E[accepted]
+    plus half a standard error, so they come often enough to correct E. Priced at E alone (explore=0) 7 of 20 seeds
+    kept plain decoding to the end."""
+    missed, speed = close_race(BudgetKnobs(), lead=1.1)
+    missed_pointwise, speed_pointwise = close_race(BudgetKnobs(explore=0.0), lead=1.1)
+    assert missed <= 2 < 5 <= missed_pointwise and speed > speed_pointwise + 0.01
+    # the optimism is cheap where the tree is behind (0.9x) and pays where it leads by 30%
+    behind = [close_race(knobs, lead=0.9, seeds=10)[1] for knobs in (BudgetKnobs(), BudgetKnobs(explore=0.0))]
+    assert behind[0] > behind[1] - 0.01
+    assert close_race(BudgetKnobs(), lead=1.3, seeds=10) == (0, pytest.approx(1.27, abs=0.01))
+
+
 def test_a_steep_cpu_curve_gets_the_best_small_tree():
     """CPU-like (SmolLM2 fp32 shape): verify cost grows from the first extra token; the policy settles on the
     budget with the most tokens per second, and its tokens per second is within 3% of the best fixed budget's."""

@@ -13,7 +13,8 @@ loop observes whole steps, which end in a host read, as s(n) alone (D = 0): the 
 
 Probes keep both sides measured: a drafting step while the rule says plain decoding (the acceptance is otherwise
 never seen again), a plain step while it says draft. As for one row, a probe waits until `probe_share` of the
-batched time since the last probe exceeds the probe's expected loss; a drafting probe follows plain steps, so its
+batched time since the last probe exceeds the probe's expected loss (at E alone: a batched step observes every
+row's acceptance, so E firms up R times as fast as for one row); a drafting probe follows plain steps, so its
 head catches up on every position since, and it is priced with that catch-up cost (so a large batch where drafting
 does not pay probes rarely).
 """
