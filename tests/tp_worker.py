@@ -5,9 +5,8 @@
 and chain mode, one row and a left-padded batch, greedy and seeded sampling) and the calls that must be refused on
 every rank, and write `rank<R>.json` (token ids, or the error each call raised) into the spec's `out` folder.
 A model with `"bench": true` also runs `dart_hf.tools.bench.run_bench` (each rank gives its own `bench_rank<R>`
-folder: only rank 0's may be written). `"fail_rank": R`
-makes rank R raise before its first call (the others are then ended by the launcher, or by gloo seeing R's connection
-close).
+folder: only rank 0's may be written). `"fail_rank": R` makes rank R raise before its first call (the others are
+then ended by the launcher, or by gloo seeing R's connection close).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ happens; a time measured under another load expires); for a B that is not the ch
 times: those come from probes, one every few dozen steps, so a window of 9 would price it for ~100 steps by the load
 it last ran under (a slow spell kept a 4-node tree priced 10% dear, and plain decoding chosen, for ~50 steps). An
 untimed tree size is priced from the nearest timed one A through the verify curve (`dart_hf.core.cost`) at the
-cheaper of T(A) + c(B + 1) - c(A + 1) and T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it, and a price too cheap gets timed and
-corrected, while one too dear is never timed again. Plain decoding is timed, never priced (its last times stand
-until a probe replaces them), and when no tree has recent times the older ones stand.
+cheaper of T(A) + c(B + 1) - c(A + 1) and T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it,
+and a price too cheap gets timed and corrected, while one too dear is never timed again. Plain decoding is timed,
+never priced (its last times stand until a probe replaces them), and when no tree has recent times the older ones
+stand.
 
 Steps that are not the choice: the first `warmup_steps` run the largest candidate (it informs every smaller one);
 plain decoding runs once; then probes, in turn the candidate above the choice, the runner-up tree and plain decoding
@@ -148,17 +149,6 @@ class BudgetPolicy:
         out = np.cumsum(rate)[self.candidates]
         return np.where((self.obs[self.candidates] > 0) | (np.array(self.candidates) == 0), out, np.nan)
 
-    def uncertainty(self) -> np.ndarray:
-        """Per candidate, `explore` standard errors of E[accepted | B]: sqrt((1 + E) / n) over its n (discounted)
-        observations, an accepted length's spread growing with its mean (0 for plain decoding, inf where never
-        observed)."""
-        n = self.obs[self.candidates]
-        e = np.nan_to_num(self.expected_accepted())
-        errors = np.sqrt(np.divide(1.0 + e, n, out=np.full_like(n, np.inf), where=n > 0))
-        out = self.knobs.explore * errors if self.knobs.explore else np.zeros_like(errors)
-        out[0] = 0.0
-        return out
-
     def step_seconds(self) -> np.ndarray:
         """T(B) per candidate, as the module docstring says (nan: nothing to go by)."""
         fresh = {b: [s for i, s in self.times[b] if self.steps - i < self.knobs.max_age] for b in self.candidates}
@@ -204,14 +194,22 @@ class BudgetPolicy:
             self.choice = self.best(tps)
             probe = self._probe(tps)
             i = self.candidates.index(probe)
-            hope = e[i] + self.uncertainty()[i]  # optimistic: an unlucky start must not space its probes out
-            loss = t[i] - (1.0 + hope) / tps[self.candidates.index(self.choice)]  # beyond the choice
+            loss = t[i] - (1.0 + self._hope(probe, e[i])) / tps[self.candidates.index(self.choice)]  # beyond the choice
             self._probing = self._since_probe * self.knobs.probe_share > (float(loss) if np.isfinite(loss) else 0.0)
             if self._probing:
                 self._since_probe = 0.0
                 self._probe_turn += 1
                 return probe
             return self.choice
+
+    def _hope(self, budget: int, expected: float) -> float:
+        """E[accepted | budget] plus `explore` standard errors, sqrt((1 + E) / n) over its n (discounted) observations
+        (an accepted length's spread grows with its mean): an unlucky start must not space a tree's probes out. Plain
+        decoding's 0 is exact; a tree never observed stays nan (probed at once)."""
+        n = self.obs[budget]
+        if budget == 0 or n <= 0:
+            return expected
+        return expected + self.knobs.explore * float(np.sqrt((1.0 + expected) / n))
 
     def _probe(self, tps: np.ndarray) -> int:
         """The budget of the next probe, in turn: the candidate above the choice (its acceptance shows only in trees
