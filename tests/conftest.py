@@ -46,6 +46,34 @@ TINY = dict(
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
+def scripted_budgets(target, head, script: list[int], prompt_lookup: bool | None = None):
+    """A `BudgetState` whose policy for (`target`, `head`'s prompt lookup) returns the step budgets of `script` in turn
+    (one row or a batch alike) and records every batched step it observes (`.batched`): the cost-aware call's budgets
+    without timing, through the public `dart_budget_state` argument."""
+    from dart_hf.core.budget import BudgetPolicy, BudgetState
+    from dart_hf.core.cost import load_curve
+
+    class Scripted(BudgetPolicy):
+        def __init__(self):
+            super().__init__(load_curve(target), device_type=target.device.type)
+            self.turn, self.batched = 0, []
+
+        def next_budget(self, rows: int = 1) -> int:
+            self.turn += 1
+            return script[(self.turn - 1) % len(script)]
+
+        def observe_batch(self, rows, budget, *rest) -> None:
+            self.batched.append(budget)
+            super().observe_batch(rows, budget, *rest)
+
+    state = BudgetState()
+    lookup = head.config.prompt_lookup if prompt_lookup is None else prompt_lookup
+    state.policy(target, lookup)  # the key the call will look up
+    key = next(iter(state.policies))
+    state.policies[key] = Scripted()
+    return state, state.policies[key]
+
+
 def make_target(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
     torch.manual_seed(seed)
     cfg = CONFIGS[arch](**{**TINY, **overrides})

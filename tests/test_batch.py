@@ -14,7 +14,7 @@ from dart_hf import DartStats
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTrees
 from test_sliding_window import chain_tree
-from dart_hf.core import loop, ragged
+from dart_hf.core import acceptance, ragged
 
 PAD = 2
 
@@ -125,8 +125,8 @@ def test_plain_steps_have_the_head_read_waiting_states_in_blocks(llama_ngram):
     def next_tree(plain_steps: bool):
         drafter = DartDrafter(head, target, max_length=1024, node_budget=3, prompt_lookup=False, eos_token_ids=None,
                               rows=rows)
-        drafter.start(tokens[:, 0])
-        for t in range(steps):
+        drafter.start(tokens[:, :1], [0] * rows, aux[:, :1], tokens[:, 1])
+        for t in range(1, steps):
             drafter.advance(aux[:, t : t + 1], tokens[:, t + 1 : t + 2])
             if plain_steps:
                 assert drafter.propose([64] * rows, timer, 0).width == 1
@@ -322,10 +322,10 @@ def test_sampling_same_seed_same_batch(llama_ngram):
     assert not torch.equal(runs[0], runs[2])
 
 
-def test_sampled_batch_text_does_not_depend_on_the_trees(llama_ngram, monkeypatch):
+def test_sampled_batch_text_does_not_depend_on_the_trees(llama_ngram):
     """Each row of a sampled batch draws from its own stream: the same seed gives the same text whatever budgets the
     cost-aware rule picks (they depend on measured times), here two scripted budget sequences."""
-    from dart_hf.core import loop
+    from conftest import scripted_budgets
 
     target, head = llama_ngram
     ids, mask = left_pad(batch_prompts(4, seed=31))
@@ -333,21 +333,20 @@ def test_sampled_batch_text_does_not_depend_on_the_trees(llama_ngram, monkeypatc
               dart_node_budget="auto")
     outs = []
     for script in ([3, 0, 3, 3], [0, 3, 0, 0]):
-        calls = iter(range(10**6))
-        monkeypatch.setattr(loop, "_step_budget", lambda policy, fixed, rows, s=script: s[next(calls) % 4])
+        state, _ = scripted_budgets(target, head, script)
         torch.manual_seed(5)
         stats = DartStats()
-        outs.append(target.generate(ids, dart_stats=stats, **kw))
+        outs.append(target.generate(ids, dart_stats=stats, dart_budget_state=state, **kw))
         assert set(stats.node_budgets) == {0, 3}
     assert torch.equal(outs[0], outs[1])
 
 
-def biased_walk(tree, logits, context, logits_processor, do_sample, generator=None):
+def biased_walk(tree, logits, input_ids, logits_processor, do_sample, generator=None):
     """Accept the first drafted child whenever the target gives it any mass: NOT exact sampling."""
     from dart_hf.core.acceptance import Accepted
 
     path, node = [0], 0
-    processed = logits_processor(context.unsqueeze(0), logits[:1].clone())
+    processed = logits_processor(input_ids, logits[:1].clone())
     children = ((tree.parents == node) & (torch.arange(tree.size) > 0)).nonzero().view(-1)
     if children.numel() and processed[0, tree.tokens[children[0]]] > float("-inf"):
         path.append(int(children[0]))
@@ -384,7 +383,7 @@ def test_sampling_distribution_per_row(monkeypatch):
     counts = second_token_counts(target, head, ids, mask, 400)
     for r in range(2):
         assert chi2(counts[r], exact[r]) < CHI2_999[7], f"row {r}"
-    monkeypatch.setattr(loop, "_walk", biased_walk)
+    monkeypatch.setattr(acceptance, "accept_walk", biased_walk)
     counts = second_token_counts(target, head, ids, mask, 400)
     assert max(chi2(counts[r], exact[r]) for r in range(2)) > CHI2_999[7], "the test cannot see a biased walk"
 

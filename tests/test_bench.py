@@ -9,6 +9,9 @@ import torch
 
 from conftest import make_head, make_target, prompts
 from dart_hf.tools import bench
+from dart_hf.tools.bench_methods import STATIC_ONE_ROW, Method, standard_methods
+from dart_hf.tools.bench_synthetic import run_synthetic
+from dart_hf.tools.bench_timing import CompetingLoad, left_pad, new_token_counts
 from dart_hf_cli import build_parser
 
 
@@ -67,8 +70,8 @@ def test_bench_end_to_end_writes_reports(tiny, tmp_path):
 
 def test_bench_flags_a_broken_method(tiny, tmp_path, capsys):
     target, head = tiny
-    standard = {m.name: m for m in bench.standard_methods()}
-    methods = [standard["plain"], bench.Method("broken", "deliberately broken", broken), standard["dart_tree_60"]]
+    standard = {m.name: m for m in standard_methods()}
+    methods = [standard["plain"], Method("broken", "deliberately broken", broken), standard["dart_tree_60"]]
     results = bench.run_bench(target, head, {"humaneval": prompts(2, seed=3)}, max_new_tokens=8, methods=methods,
                               out_dir=tmp_path, progress=False, warmup=False)
     assert results["all_equal"] is False
@@ -87,15 +90,15 @@ def test_bench_runs_and_competing_load(tiny, tmp_path, monkeypatch):
     and ends them with the bench."""
     target, head = tiny
     started = []
-    real_enter = bench.CompetingLoad.__enter__
+    real_enter = CompetingLoad.__enter__
 
     def enter(self):
         out = real_enter(self)
         started.extend(self.procs)
         return out
 
-    monkeypatch.setattr(bench.CompetingLoad, "__enter__", enter)
-    standard = {m.name: m for m in bench.standard_methods(fixed_budget=[2, 5])}
+    monkeypatch.setattr(CompetingLoad, "__enter__", enter)
+    standard = {m.name: m for m in standard_methods(fixed_budget=[2, 5])}
     methods = [standard[n] for n in ("plain", "dart_tree_2", "dart_tree_5")]
     results = bench.run_bench(target, head, {"x": prompts(1, seed=4)}, max_new_tokens=4, methods=methods,
                               out_dir=tmp_path, progress=False, warmup=False, runs=2, load=1)
@@ -113,7 +116,7 @@ def test_bench_runs_and_competing_load(tiny, tmp_path, monkeypatch):
 def test_bench_needs_plain_first(tiny):
     target, head = tiny
     with pytest.raises(ValueError, match="plain"):
-        bench.run_bench(target, head, {"x": prompts(1)}, methods=bench.standard_methods()[1:], warmup=False)
+        bench.run_bench(target, head, {"x": prompts(1)}, methods=standard_methods()[1:], warmup=False)
 
 
 def parse(*argv):
@@ -137,9 +140,9 @@ def test_synthetic_path_runs_on_a_tiny_shape(tmp_path):
     """The GPU-only synthetic bench, exercised on CPU with a tiny shape so it is known to work before the H200 run."""
     shape = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=96, max_position_embeddings=512, tie_word_embeddings=False)
-    results = bench.run_synthetic(shape, device="cpu", dtype=torch.float32, budgets=(3, 7), prompt_len=32,
-                                  new_tokens=8, cost_sizes=(1, 4, 8), repeats=1, out_dir=tmp_path, progress=False,
-                                  draft_vocab_size=32000)  # clipped to the tiny vocab
+    results = run_synthetic(shape, device="cpu", dtype=torch.float32, budgets=(3, 7), prompt_len=32,
+                            new_tokens=8, cost_sizes=(1, 4, 8), repeats=1, out_dir=tmp_path, progress=False,
+                            draft_vocab_size=32000)  # clipped to the tiny vocab
     assert list(results["verify_cost_ms"]) == ["1", "4", "8"]
     assert [r["node_budget"] for r in results["budgets"]] == [3, 7]
     for r in results["budgets"]:
@@ -152,7 +155,7 @@ def test_batched_bench_compares_every_row_and_reports_per_batch_size(tiny, tmp_p
     """`batch_sizes`: plain batched generate and the batch-capable methods on left-padded batches, per batch size;
     every row compared with plain's; one-row-only methods kept at batch size 1 and noted."""
     target, head = tiny
-    standard = {m.name: m for m in bench.standard_methods(fixed_budget=[3])}
+    standard = {m.name: m for m in standard_methods(fixed_budget=[3])}
     methods = [standard[n] for n in ("plain", "prompt_lookup", "dart_tree_3", "dart_tree_auto")]
     data = {"humaneval": prompts(3, seed=6), "sharegpt": prompts(4, seed=7)}
     results = bench.run_bench(target, head, data, max_new_tokens=6, methods=methods, out_dir=tmp_path,
@@ -198,7 +201,7 @@ def test_batched_bench_flags_a_broken_row(tiny, tmp_path):
         out[1, -1] = (out[1, -1] + 1) % t.config.vocab_size
         return out
 
-    methods = [bench.standard_methods()[0], bench.Method("broken", "breaks row 1", broken_row)]
+    methods = [standard_methods()[0], Method("broken", "breaks row 1", broken_row)]
     results = bench.run_bench(target, head, {"x": prompts(2, seed=8)}, max_new_tokens=5, methods=methods,
                               out_dir=tmp_path, progress=False, warmup=False, batch_sizes=[2])
     assert not results["all_equal"] and bench.exit_status(results) == bench.MISMATCH_EXIT
@@ -208,11 +211,11 @@ def test_batched_bench_flags_a_broken_row(tiny, tmp_path):
 
 
 def test_left_pad_and_new_token_counts():
-    ids, mask = bench.left_pad([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_id=2)
+    ids, mask = left_pad([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_id=2)
     assert ids.tolist() == [[5, 6, 7], [2, 2, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     out = torch.tensor([[5, 6, 7, 9, 1, 2], [2, 2, 8, 9, 9, 9]])
-    assert bench.new_token_counts(out, 3, [1]) == [2, 3]  # up to and including the first EOS
-    assert bench.new_token_counts(out, 3, []) == [3, 3]
+    assert new_token_counts(out, 3, [1]) == [2, 3]  # up to and including the first EOS
+    assert new_token_counts(out, 3, []) == [3, 3]
     assert parse("--batch-size", "1", "4", "8").batch_size == [1, 4, 8] and parse().batch_size == [1]
 
 
@@ -220,15 +223,15 @@ def test_left_pad_and_new_token_counts():
 # compile backend "eager": dynamo captures the graphs (fullgraph, the same guards and recompiles as inductor) without
 # generating code, seconds instead of minutes
 def compiled_methods(budget: int = 3) -> list:
-    standard = {m.name: m for m in bench.standard_methods(fixed_budget=[budget], compiled=True,
-                                                          compile_backend="eager")}
+    standard = {m.name: m for m in standard_methods(fixed_budget=[budget], compiled=True,
+                                                    compile_backend="eager")}
     return [standard[n] for n in ("plain", f"dart_tree_{budget}", "plain_compiled", f"dart_compiled_{budget}")]
 
 
 def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(tiny, tmp_path):
     target, head = tiny
     methods = compiled_methods()
-    assert all(m.one_row_only == bench.STATIC_ONE_ROW for m in methods[2:])  # the batched bench skips them
+    assert all(m.one_row_only == STATIC_ONE_ROW for m in methods[2:])  # the batched bench skips them
     data = {"x": prompts(2, seed=9)}
     results = bench.run_bench(target, head, data, max_new_tokens=10, methods=methods, out_dir=tmp_path,
                               progress=False, warmup=False, runs=2)
@@ -258,8 +261,8 @@ def test_compiled_flags_and_method_selection():
     defaults = parse()
     assert not defaults.compiled and not defaults.profile and defaults.budget is None
     assert defaults.compile_backend == "inductor"
-    assert "plain_compiled" not in {m.name for m in bench.standard_methods()}  # off by default
-    chosen = bench.selected_methods(bench.standard_methods([4], compiled=True), ["dart_compiled_4"])
+    assert "plain_compiled" not in {m.name for m in standard_methods()}  # off by default
+    chosen = bench.selected_methods(standard_methods([4], compiled=True), ["dart_compiled_4"])
     assert [m.name for m in chosen] == ["plain", "plain_compiled", "dart_compiled_4"]  # plain and the baseline stay
 
 
@@ -293,9 +296,9 @@ def test_synthetic_compiled_rows_on_a_tiny_shape(tmp_path):
     """The synthetic bench's compiled rows (gpu_check.sh part 4), on CPU with a tiny shape."""
     shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=96, max_position_embeddings=512, tie_word_embeddings=False)
-    results = bench.run_synthetic(shape, device="cpu", dtype=torch.float32, budgets=(3,), prompt_len=16,
-                                  new_tokens=8, cost_sizes=(1, 4), repeats=1, out_dir=tmp_path, progress=False,
-                                  compiled=True, compile_backend="eager")
+    results = run_synthetic(shape, device="cpu", dtype=torch.float32, budgets=(3,), prompt_len=16,
+                            new_tokens=8, cost_sizes=(1, 4), repeats=1, out_dir=tmp_path, progress=False,
+                            compiled=True, compile_backend="eager")
     c = results["compiled"]
     assert c["backend"] == "eager" and c["plain_step_ms"] > 0 and c["plain_equal_to_eager"]
     assert [r["node_budget"] for r in c["budgets"]] == [3]

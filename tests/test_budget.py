@@ -578,11 +578,9 @@ def test_measured_verify_scale_per_tree_size_corrects_the_curves_shape():
 def _batched_steps(policy, rows: int, steps: int, seconds) -> list[int]:
     """`steps` batched steps of the loop's budget rule, each observed as `seconds(budget)` of verify (no drafting
     cost) and an acceptance of 2 draft tokens per row."""
-    from dart_hf.core.loop import _step_budget
-
     seq = []
     for _ in range(steps):
-        budget = _step_budget(policy, 5, rows)
+        budget = policy.next_budget(rows)
         seq.append(budget)
         with policy.lock:
             policy.batch_times.observe(rows, budget, rows * (budget + 1), seconds(budget))
@@ -610,9 +608,9 @@ def test_batch_probes_are_paced_by_their_expected_loss():
         dear.batch_times.observe(4, 1, 8, 0.08, draft_seconds=4 * 0.4, steady=False)
     seq = _batched_steps(dear, 4, 400, lambda b: 0.010 * 4 * (b + 1))
     assert len([b for b in seq if b > 0]) < len(drafted) / 4
-    from dart_hf.core.loop import _step_budget
+    from dart_hf.core.budget import CallBudget
 
-    assert _step_budget(None, 5, 4) == 5  # a fixed budget stays fixed
+    assert CallBudget(None, 5, make_target("llama"), None).next(4) == 5  # a fixed budget stays fixed
 
 
 def test_without_a_curve_the_batch_rule_measures_plain_and_tree_and_keeps_the_faster():
@@ -645,28 +643,24 @@ def test_batch_check_measures_batched_verifies_beside_one_row_of_as_many_tokens(
     assert table[(1, 4)]["vs_one_row"] == 1.0
 
 
-def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_drafting_cost(monkeypatch):
+def test_batched_auto_decoding_feeds_the_batch_rule_its_verify_scale_and_drafting_cost():
     """A batched "auto" call times its verify forwards and its rows' drafting into the policy (CPU phase times are
     exact), drafting time only from steady drafting steps (a tree after a tree: the head catches up on nothing),
     and stays equal to plain batched generate. The step budgets are scripted, so nothing depends on timing."""
-    from dart_hf.core import loop
-    from dart_hf.tools.bench import left_pad
+    from conftest import scripted_budgets
+    from dart_hf.tools.bench_timing import left_pad
 
     target = make_target("llama")
     write_curve(target)  # candidates 0, 1, 3, 7
     texts = prompts(3, seed=9)
     head = head_with_ngram(target, texts, node_budget=None)
     script = [7, 7, 0, 3, 0, 1, 1, 0]
-    calls = iter(range(10**6))
-    monkeypatch.setattr(loop, "_step_budget", lambda policy, fixed, rows: script[next(calls) % 8])
-    batched, observe = [], loop._observe_batch  # the steps with more than one active row (one row: its own rule)
-    monkeypatch.setattr(loop, "_observe_batch", lambda policy, trees, step, lengths, budget, *rest: (
-        batched.append(budget), observe(policy, trees, step, lengths, budget, *rest)))
+    state, policy = scripted_budgets(target, head, script)
     ids, mask = left_pad(texts, pad_id=2)
     gen = dict(attention_mask=mask, do_sample=False, max_new_tokens=20)
-    out = target.generate(ids, assistant_model=head, **gen)
+    out = target.generate(ids, assistant_model=head, dart_budget_state=state, **gen)
     assert torch.equal(out, target.generate(ids, **gen))
-    policy = budget_policy(head, target)
+    batched = policy.batched  # the steps with more than one active row (one row: its own rule)
     budgets = head.stats["node_budgets"]
     assert len(budgets) >= 8 and budgets == [script[i % 8] for i in range(len(budgets))]
     assert len(batched) >= 8 and batched == budgets[: len(batched)]
@@ -688,19 +682,21 @@ def test_batch_rule_learns_from_whole_steps_where_phase_times_are_launch_times()
     (exact: it ends in the acceptance's host read) as the verify time and no drafting cost; the rule learns."""
     from types import SimpleNamespace
 
-    from dart_hf.core.acceptance import BatchAccepted
-    from dart_hf.core.loop import _observe_batch
+    from dart_hf.core.budget import CallBudget
     from dart_hf.core.tree import DraftTrees
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     curve = VerifyCost(sizes, [0.050 + 0.001 * n for n in sizes])
     policy = informed_policy(curve)
-    trees = DraftTrees.roots(torch.full((4,), 5))
-    step = BatchAccepted(paths=torch.zeros(4, 1, dtype=torch.long), lengths=torch.ones(4, dtype=torch.long),
-                         tokens=torch.zeros(4, 1, dtype=torch.long))
-    launch_times = SimpleNamespace(exact=False, last={"verify": 1e-5})
-    _observe_batch(policy, trees, step, [1] * 4, 0, launch_times, drafting=1e-5, steady=True, wall=3 * curve(4))
-    assert statistics.median(policy.batch_times.scale[(4, 0)]) == pytest.approx(3.0)  # the wall time, not the launch time
-    exact = SimpleNamespace(exact=True, last={"verify": curve(4)})
-    _observe_batch(policy, trees, step, [1] * 4, 0, exact, drafting=0.0, steady=True, wall=3 * curve(4))
+    clock = iter([0.0, 3 * curve(4), 10.0, 10.0 + 3 * curve(4)])  # each step's start and end
+    policy.clock = lambda: next(clock)
+    trees, target = DraftTrees.roots(torch.full((4,), 5)), make_target("llama")
+    paths = torch.zeros(4, 1, dtype=torch.long)
+    for timer in (SimpleNamespace(exact=False, last={"verify": 1e-5}, totals={"draft": 1e-5}),
+                  SimpleNamespace(exact=True, last={"verify": curve(4)}, totals={})):
+        budgets = CallBudget(policy, 0, target, timer)
+        budgets.next(4)
+        budgets.observe(0, trees, paths, torch.ones(4, dtype=torch.long))
+        if not timer.exact:  # the wall time, not the launch time
+            assert statistics.median(policy.batch_times.scale[(4, 0)]) == pytest.approx(3.0)
     assert sorted(policy.batch_times.scale[(4, 0)]) == pytest.approx([1.0, 3.0])  # exact phases: the verify phase

@@ -1,13 +1,12 @@
 """dart_hf as users install it: a wheel (not the source tree) carries the shipped head, and the default head of
 `dart-hf demo` / `dart-hf bench` resolves to that installed copy; without the [tools] extra the library works and the
-tools name the extra; the README quick start and its custom_generate snippet (transformers alone) run verbatim from
-another folder."""
+tools name the extra; the README quick start runs verbatim from another folder (its custom_generate snippet,
+transformers alone and offline: tests/test_new_user.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import site
 import subprocess
@@ -135,58 +134,3 @@ def test_readme_quick_start_runs_verbatim_from_another_folder(tmp_path):
     proc = subprocess.run([sys.executable, str(snippet)], capture_output=True, text=True, cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "QUICK START OK" in proc.stdout
-
-
-def fake_hub_snapshot(hub_cache: Path, repo_id: str, folder: Path) -> None:
-    """An offline Hugging Face cache in which `repo_id` resolves to the files of `folder` (no Hub access here), so a
-    snippet that loads `repo_id` runs verbatim with HF_HUB_OFFLINE=1."""
-    commit = "0" * 40
-    repo = hub_cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for path in folder.iterdir():
-        (snapshot / path.name).symlink_to(path.resolve())
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-
-
-def readme_blocks(heading: str, language: str) -> list[str]:
-    """The code blocks of one README section, in order."""
-    text = (REPO_ROOT / "README.md").read_text()
-    section = text[text.index(heading) + len(heading):]
-    section = section[: re.search(r"\n#{1,3} ", section).start()]
-    return [block.split("```", 1)[0] for block in section.split(f"```{language}\n")[1:]]
-
-
-@pytest.mark.slow
-def test_readme_custom_generate_runs_verbatim_from_another_folder_without_dart_hf(tmp_path):
-    """The README's "Run a head without installing dart_hf", as a user pastes it in a folder of their own: the shell
-    command (dart_hf installed) writes a self-contained copy of the shipped head there, then the Python snippet runs
-    with `import dart_hf` blocked, the target loaded by transformers alone from its Hub id (served offline by a cache
-    that maps the id to the converted SmolLM2 target, the only copy reachable here), and its text is plain greedy
-    `generate`'s. Nothing is read from or written to the source tree."""
-    from dart_hf.tools.assets import target_folder
-
-    [command] = [line for block in readme_blocks("### Run a head without installing dart_hf", "bash")
-                 for line in block.strip().splitlines()]
-    [snippet] = readme_blocks("### Run a head without installing dart_hf", "python")
-    assert command.startswith("python -m dart_hf.tools.hub ") and "model_cards/" not in snippet
-    repo_id = re.search(r'from_pretrained\("([^"]+)"', snippet).group(1)
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    fake_hub_snapshot(tmp_path / "hf" / "hub", repo_id, target_folder("smollm2-135m-instruct"))
-    work = tmp_path / "elsewhere"
-    work.mkdir()
-    proc = subprocess.run([sys.executable, *command.split()[1:]], capture_output=True, text=True, cwd=work,
-                          timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check = ("import torch\n"
-             "new = out.shape[1] - inputs['input_ids'].shape[1]\n"
-             "ref = target.generate(**inputs, do_sample=False, max_new_tokens=new)\n"
-             "assert new > 0 and torch.equal(out, ref), 'custom_generate differs from plain generate'\n"
-             "print('CUSTOM GENERATE OK', new, repr(sys.modules['dart_hf']))\n")
-    (work / "snippet.py").write_text('import sys\nsys.modules["dart_hf"] = None  # transformers alone\n' + snippet
-                                     + check)
-    proc = subprocess.run([sys.executable, "snippet.py"], capture_output=True, text=True, cwd=work, timeout=900,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CUSTOM GENERATE OK" in proc.stdout and proc.stdout.strip().endswith("None")

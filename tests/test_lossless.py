@@ -475,9 +475,9 @@ def test_a_lookup_that_is_always_wrong(tiny_target, plain, monkeypatch):
     target = tiny_target("llama")
     head = make_head(target)
     head.config.lookup_logp = 0.0  # the garbage outranks every drafted token
-    garbage = lambda texts, length, *a: (torch.full((len(texts), length), 5), torch.ones(len(texts), length,
-                                                                                       dtype=torch.bool))
-    monkeypatch.setattr("dart_hf.core.drafter.lookup_for_tree", garbage)
+    garbage = lambda texts, length, *a, **k: (torch.full((len(texts), length), 5),
+                                              torch.ones(len(texts), length, dtype=torch.bool))
+    monkeypatch.setattr("dart_hf.core.drafter.lookup_continuations", garbage)
     for mode in MODES:
         for ids in prompts(2, seed=4):
             assert torch.equal(dart(target, head, ids, mode, do_sample=False, max_new_tokens=16)[0],

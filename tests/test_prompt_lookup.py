@@ -51,8 +51,8 @@ def test_generate_uses_it_by_default_and_not_when_told_not_to(monkeypatch):
     target = make_target("llama")
     head = make_head(target)
     calls = []
-    real = prompt_lookup.lookup_for_tree
-    monkeypatch.setattr("dart_hf.core.drafter.lookup_for_tree", lambda *a: calls.append(1) or real(*a))
+    real = prompt_lookup.lookup_continuations
+    monkeypatch.setattr("dart_hf.core.drafter.lookup_continuations", lambda *a, **k: calls.append(1) or real(*a, **k))
     ids = prompts(1, seed=3)[0]
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12)
     assert calls

@@ -203,7 +203,7 @@ def test_a_greedy_step_reads_back_once_and_hands_the_loop_host_tensors(qwen3, mo
                     cache_implementation="static", compile_config=compile_config())
     assert len(reads) >= 5
     assert all(r == ["tolist"] for r in reads), reads[:3]
-    assert all(t.device.type == "cpu" for r in returned for t in (r.tokens, r.lengths))
+    assert all(t.device.type == "cpu" for _, r in returned for t in (r.tokens, r.lengths))
 
 
 def test_inductor_compiled_step_equals_plain_and_plain_compiled(qwen3):

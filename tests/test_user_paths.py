@@ -119,7 +119,8 @@ def test_every_wrapper_import_installs_defers_untouched_for_a_call_without_a_dar
     assert seen[-1] == ("generate", (llama, ids), {"max_new_tokens": 3, "assistant_model": assistant, "top_k": 4})
     assert routing._get_candidate_generator(llama, "config", 1, assistant_model=assistant) == "candidates"
     assert seen[-1] == ("candidates", (llama, "config", 1), {"assistant_model": assistant})
-    folder = str(tmp_path)  # a causal LM's folder, as pipelines take one (no config here: not a head)
+    llama.config.save_pretrained(tmp_path)
+    folder = str(tmp_path)  # a causal LM's folder, as pipelines take one (its config.json only: not a head)
     assert routing._load_assistant_model(llama, folder, None) == "load"
     assert seen[-1] == ("load", (llama, folder, None), {})
     assert draft.stats is None  # (the head was never involved)

@@ -78,9 +78,9 @@ def run_model(spec: dict, case: dict, rank: int) -> dict:
                                                           assistant_model=other, max_new_tokens=n, do_sample=False))
     out["after_refusals"] = attempt(lambda: dart(prompts[0]))
     if case.get("bench"):  # `dart-hf bench`'s runner on the tensor-parallel target: rank 0 alone reports
-        from dart_hf.tools import bench
+        from dart_hf.tools import bench, bench_methods
 
-        methods = [m for m in bench.standard_methods(fixed_budget=[3])
+        methods = [m for m in bench_methods.standard_methods(fixed_budget=[3])
                    if m.name in ("plain", "prompt_lookup", "dart_chain", "dart_tree_3", "dart_tree_auto")]
         results = bench.run_bench(target, head, {"x": prompts}, max_new_tokens=n, methods=methods,
                                   out_dir=os.path.join(spec["out"], f"bench_rank{rank}"), progress=False)

@@ -1,4 +1,5 @@
-"""Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Both rules are lossless.
+"""Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Both rules are lossless; `StepAcceptance`
+is the call's choice between them, the one acceptance both step backends run.
 
 - `accept_greedy_batch`: no logits processors, greedy. Vectorised over every row's whole tree: a node is accepted
   when its token equals the target's argmax at every ancestor; the deepest accepted node ends the path.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList
 
+from .rows import RowProcessor, Rows, RowStreams
 from .tree import DraftTree, DraftTrees
 
 
@@ -128,3 +130,28 @@ def accept_greedy_batch(trees: DraftTrees, logits: torch.Tensor, keep_scores: bo
     tokens = predicted.gather(1, paths)
     rows = logits.gather(1, paths.unsqueeze(2).expand(-1, -1, logits.shape[2])) if keep_scores else None
     return BatchAccepted(paths, lengths, tokens, rows, rows)
+
+
+class StepAcceptance:
+    """The acceptance of a call's steps, for the eager and the static step alike: greedy without processors
+    (`accept_greedy_batch`, vectorised over rows), else the walk per row with the call's processors, each row seeing
+    itself as plain `generate` shows it (`RowProcessor`); a sampled batch draws each row from its own stream
+    (`RowStreams`), so its text does not depend on the trees the budget picks."""
+
+    def __init__(self, logits_processor: LogitsProcessorList, do_sample: bool, rows: Rows, keep_scores: bool,
+                 device: torch.device):
+        self.processors, self.do_sample, self.rows, self.keep_scores = logits_processor, do_sample, rows, keep_scores
+        self.greedy = not do_sample and len(logits_processor) == 0
+        self.streams = RowStreams(len(rows), device) if do_sample and len(rows) > 1 else None
+
+    def __call__(self, trees: DraftTrees, logits: torch.Tensor, active: list[int]) -> BatchAccepted:
+        """The accepted paths of `trees` (rows: the caller's rows `active`) under the target's `logits` [rows, N, V]."""
+        if self.greedy:
+            return accept_greedy_batch(trees, logits, self.keep_scores)
+        rows = self.rows
+        return BatchAccepted.from_rows([
+            accept_walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b].unsqueeze(0),
+                        RowProcessor(self.processors, b, len(rows)), self.do_sample,
+                        self.streams.get(b, logits.device) if self.streams else None)
+            for i, b in enumerate(active)
+        ])

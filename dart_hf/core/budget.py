@@ -50,8 +50,10 @@ import numpy as np
 import torch
 import transformers
 
-from .batch_budget import BatchTimes
+from .batch_budget import BatchTimes, next_batch_budget
 from .cost import VerifyCost, cost_file, cost_key, load_curve, nearest_size
+from .distributed import shared_budget, tensor_parallel_group
+from .stats import PhaseTimer
 from .tree import DraftTrees
 
 
@@ -121,6 +123,14 @@ class BudgetPolicy:
         with self.lock:
             self._record(budget, [ranks], seconds)
 
+    def observe_batch(self, rows: int, budget: int, tokens: int, verify_seconds: float, draft_seconds: float,
+                      steady: bool, ranks: Sequence[Sequence[int]]) -> None:
+        """A batched step ended: what it measured for the batch rule (`BatchTimes.observe`) and each row's acceptance
+        (`observe_rows`)."""
+        with self.lock:
+            self.batch_times.observe(rows, budget, tokens, verify_seconds, draft_seconds, steady=steady)
+        self.observe_rows(budget, ranks)
+
     def observe_rows(self, budget: int, ranks: Sequence[Sequence[int]]) -> None:
         """A batched step at `budget` ended: every row's accepted path's score ranks (none at budget 0). Each row is an
         acceptance observation; the step counts once for the ages of the step times, and gives none (a batched step
@@ -181,9 +191,11 @@ class BudgetPolicy:
         return self.largest if np.all(np.isnan(tps)) else self.candidates[int(np.nanargmax(tps))]
 
     # -- choosing
-    def next_budget(self) -> int:
-        """The next step's budget."""
+    def next_budget(self, rows: int = 1) -> int:
+        """The next step's budget, for one row (this rule) or a batch of `rows` (`batch_budget.next_batch_budget`)."""
         with self.lock:
+            if rows > 1:
+                return next_batch_budget(self, rows)
             if self.steps < self.knobs.warmup_steps:
                 return self.largest
             e = self.expected_accepted()
@@ -226,6 +238,64 @@ class BudgetPolicy:
         return turns[self._probe_turn % len(turns)]
 
 
+class CallBudget:
+    """The node budget of one call's steps as the loop sees it: `next` before a step, `observe` after it, one call
+    each. A fixed budget stays fixed. The cost-aware one is the policy's: one active row times whole steps
+    (`BudgetPolicy.start` / `observe`); a batch feeds the batch rule its verify time and per-row drafting (CPU phase
+    times are exact; where they are launch times, CUDA without `dart_timing`, the whole step up to its host read is
+    the verify time and drafting 0, so the rule learns on every device). A tensor-parallel target takes the first
+    rank's choice on every rank."""
+
+    def __init__(self, policy: BudgetPolicy | None, fixed: int, target, timer: PhaseTimer):
+        self.policy, self.fixed, self.timer, self.target = policy, fixed, timer, target
+        self.group = tensor_parallel_group(target) if policy is not None else None
+        self.rows, self.started, self.drafted, self.drafted_before = 0, 0.0, 0.0, False
+
+    @property
+    def mode(self) -> str:
+        return "fixed" if self.policy is None else "auto"
+
+    def latest(self, budget: int) -> int:
+        """The tree size in force at the end of the call (`DartStats.node_budget`): the one-row rule's choice, else
+        the last step's budget."""
+        return self.policy.choice if self.policy is not None and self.rows == 1 else budget
+
+    def fix(self, budget: int) -> None:
+        """The call runs one budget (the static step: the policy's current choice, or the fixed one)."""
+        self.policy, self.fixed = None, budget
+
+    def next(self, rows: int) -> int:
+        """This step's node budget per row, for `rows` active rows."""
+        if self.policy is None:
+            return self.fixed
+        self.rows = rows
+        budget = shared_budget(self.group, self.policy.next_budget(rows), self.target)
+        self.started, self.drafted = self.policy.clock(), self._drafting()
+        if rows == 1:
+            self.policy.start()
+        return budget
+
+    def observe(self, budget: int, trees: DraftTrees, paths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The step at `budget` ended: its trees and accepted paths (`lengths`: a host tensor, read only here)."""
+        if self.policy is None:
+            return
+        lengths = lengths.tolist()
+        ranks = path_ranks(trees, paths, lengths) if budget > 0 else [()] * len(lengths)
+        if self.rows == 1:
+            self.policy.observe(budget, ranks[0])
+        elif self.timer.exact:
+            self.policy.observe_batch(self.rows, budget, trees.tokens.numel(), self.timer.last["verify"],
+                                      self._drafting() - self.drafted, self.drafted_before, ranks)
+        else:
+            self.policy.observe_batch(self.rows, budget, trees.tokens.numel(), self.policy.clock() - self.started,
+                                      0.0, self.drafted_before, ranks)
+        self.drafted_before = budget > 0
+
+    def _drafting(self) -> float:
+        """Seconds spent so far on head forwards and tree searches (the drafter times its phases into `timer`)."""
+        return self.timer.totals.get("draft", 0.0) + self.timer.totals.get("tree", 0.0)
+
+
 class BudgetState:
     """The policies' memory across `generate` calls, one per (target configuration, prompt lookup on/off): a fresh
     policy pays its warm-up at the largest tree again. `head.budget_state`; `reset()` forgets."""
@@ -266,12 +336,17 @@ def _warn_no_curve(key: dict, device_type: str) -> None:
         return
     _warned_no_curve = True
     fixed = BudgetKnobs.no_curve_budget if device_type == "cpu" else BudgetKnobs.no_curve_budget_gpu
-    action = ("run `dart-hf calibrate` once to fit the tree size to this device"
-              if (__package__ or "").startswith("dart_hf") else
-              "with dart_hf installed, `dart-hf calibrate` fits the tree size to this device")
-    warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {key['device_name']}, so the node budget "
-                  f"chooses between plain decoding and a fixed tree of {fixed} nodes; {action}, or pass "
-                  f"dart_node_budget=<n> for a fixed tree", stacklevel=_caller_stacklevel())
+    where, command = key["device_name"], "dart-hf calibrate <target folder or name>"
+    if device_type == "cpu":  # a CPU curve serves one thread count (`cost_key`)
+        threads = torch.get_num_threads()
+        where += f" at {threads} torch thread(s) (a curve serves one thread count)"
+        command += f" --threads {threads}"
+    fit = "to fit the tree size to this device" + (" and thread count" if device_type == "cpu" else "")
+    action = (f"run `{command}` once {fit}" if (__package__ or "").startswith("dart_hf") else
+              f"with dart_hf installed, `{command}` fits the tree size to this device")
+    warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {where}, so the node budget chooses between "
+                  f"plain decoding and a fixed tree of {fixed} nodes; {action}, or pass dart_node_budget=<n> for a "
+                  f"fixed tree", stacklevel=_caller_stacklevel())
 
 
 def _caller_stacklevel() -> int:
@@ -298,4 +373,4 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
     return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup)
 
 
-__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "budget_policy", "path_ranks"]
+__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "CallBudget", "budget_policy", "path_ranks"]

@@ -7,7 +7,7 @@ and the cache it decodes into is made (`ragged.decode_cache`). Chain mode shares
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StaticCache
 from transformers.generation.logits_process import (
     SynthIDTextWatermarkLogitsProcessor,
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
@@ -17,21 +17,21 @@ from .modeling import DartHead
 from .ragged import decode_cache
 from .stats import DartStats
 from .support import check_tree_target
-from .target import check_head_matches_target, prepare_head
+from .target import prepare_head
 
 
 def prepare_call(head: DartHead, model, stats: DartStats | None) -> tuple[DartHead, DartStats]:
-    """What every DART `generate` call does once with its head, tree loop and chain mode alike, before drafting:
-    refuse a head built for another target (`check_head_matches_target`), get the head placed for `model`
-    (`prepare_head`: the head itself, moved in place on its first call, or a placed copy; never moved while another
-    call may draft with it), and make `stats` (default: a new `DartStats`) the call's, as `head.stats`. Returns (the
-    head to draft with, the stats); the caller resets the stats once it knows the mode and node budget."""
-    check_head_matches_target(head, model)
-    placed = prepare_head(head, model)
+    """What every DART `generate` call does once with its head, tree loop and chain mode alike, after every check
+    (a refused call leaves the head, its stats and the target as they were): refuse stats of another type, get the head placed for `model` (`prepare_head`: the head
+    itself, moved in place on its first call, or a placed copy; never moved while another call may draft with it),
+    and make `stats` (default: a new `DartStats`) the call's, as `head.stats`. Returns (the head to draft with, the
+    stats); the caller resets the stats once it knows the mode and node budget. The caller has run
+    `check_head_matches_target` with its other checks."""
     if stats is None:
         stats = DartStats()
     elif not isinstance(stats, DartStats):
         raise TypeError(f"dart_stats must be a dart_hf.DartStats, got {type(stats).__name__}")
+    placed = prepare_head(head, model)
     head.stats = stats
     return placed, stats
 
@@ -93,6 +93,9 @@ def check_model_inputs(model, input_ids: torch.Tensor, model_kwargs: dict, gener
                          f"them to the target")
     positions = model_kwargs.get("position_ids")
     mask = model_kwargs.get("attention_mask")
+    if positions is not None and positions.shape[-1] != input_ids.shape[-1]:  # generate derived them from the mask
+        raise ValueError(f"the attention_mask (or position_ids) covers {positions.shape[-1]} positions, input_ids "
+                         f"{input_ids.shape[-1]}: they must match")
     if positions is not None and not _default_positions(model, input_ids, mask, positions):
         raise ValueError("DART tree decoding places tokens by the attention mask (as plain generate does when no "
                          "position_ids are passed); custom position_ids are not supported")
@@ -124,14 +127,27 @@ def check_processors(logits_processor: LogitsProcessorList | None, other_layout:
             )
 
 
-def call_cache(model, model_kwargs: dict) -> DynamicCache:
-    """The cache the call decodes into: the caller's (it must be an empty `DynamicCache`) or a new one, its
-    sliding-window layers made full (`ragged.decode_cache`: the verify masks apply the windows)."""
+def check_cache(model_kwargs: dict) -> None:
+    """Refuse a cache the call cannot decode into: a pre-filled one, or one that is neither a `DynamicCache` nor a
+    `StaticCache`."""
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
-    if cache is not None and (not isinstance(cache, DynamicCache) or cache.get_seq_length() != 0):
-        raise ValueError("DART decoding needs an empty DynamicCache (a pre-filled cache is not supported; an empty "
-                         "StaticCache takes the static step)")
-    return decode_cache(model.config, cache)
+    if cache is not None and (not isinstance(cache, (DynamicCache, StaticCache)) or cache.get_seq_length() != 0):
+        raise ValueError("DART decoding needs an empty DynamicCache, or an empty StaticCache for the static step (a "
+                         "pre-filled cache is not supported)")
+
+
+def eager_cache(model, model_kwargs: dict) -> DynamicCache:
+    """The cache the eager step decodes into: the caller's `DynamicCache` or a new one, its sliding-window layers
+    made full (`ragged.decode_cache`: the verify masks apply the windows)."""
+    cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
+    return decode_cache(model.config, cache if isinstance(cache, DynamicCache) else None)
+
+
+def check_node_budget(requested) -> None:
+    """`dart_node_budget`: None, "auto" or a whole number >= 0 (a bool or 2.5 is refused, never rounded)."""
+    whole = isinstance(requested, int) and not isinstance(requested, bool)
+    if not (requested is None or requested == "auto" or (whole and requested >= 0)):
+        raise ValueError(f'dart_node_budget must be a whole number >= 0 or "auto", got {requested!r}')
 
 
 def is_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
@@ -140,10 +156,13 @@ def is_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bo
     return input_ids.shape[0] > 1 or (attention_mask is not None and not bool((attention_mask == 1).all()))
 
 
-def check_padding(attention_mask: torch.Tensor | None) -> None:
+def check_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """Refuse, before any work, padding the loop cannot run exactly: only left padding, no empty row."""
     if attention_mask is None:
         return
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"the attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}: they must match")
     mask = attention_mask.bool()
     if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
         raise ValueError(

@@ -111,7 +111,31 @@ class DartConfig(PreTrainedConfig):
         self.validate_dart_fields()
 
     def validate_dart_fields(self) -> None:
-        """Reject configs that cannot describe a working head (a corrupt or foreign config.json)."""
+        """Reject configs that cannot describe a working head (a corrupt or foreign config.json). Types first, by
+        each field's annotation: a hand-edited `"node_budget": "x"` (or 2.5, or true) is named here, as a ValueError
+        that says which field and what it takes, instead of a bare TypeError from the first comparison below or a
+        float budget deep inside the tree search."""
+        def is_int(value) -> bool:  # JSON ints, numpy / torch integer scalars; never bool (a JSON true is no count)
+            return hasattr(type(value), "__index__") and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return is_int(value) or isinstance(value, float)
+
+        takes = {  # annotation (as written in the class body) -> (check, what it takes)
+            "int": (is_int, "an integer"),
+            "int | None": (lambda v: v is None or is_int(v), "an integer or null"),
+            "float": (is_number, "a number"),
+            "bool": (lambda v: isinstance(v, bool), "true or false"),
+            "str": (lambda v: isinstance(v, str), "a string"),
+            "str | None": (lambda v: v is None or isinstance(v, str), "a string or null"),
+            "list[int] | None": (lambda v: isinstance(v, (list, tuple)) and all(map(is_int, v)), "a list of integers"),
+            "dict | None": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+        }
+        for name, annotation in type(self).__annotations__.items():
+            check, what = takes.get(str(annotation), (None, None))
+            value = getattr(self, name, None)
+            if check is not None and not check(value):
+                raise ValueError(f"DartConfig field {name} must be {what}, got {value!r} ({type(value).__name__})")
         if self.draft_length < 1:
             raise ValueError(f"draft_length must be >= 1, got {self.draft_length}")
         if len(self.aux_layer_ids) != 3:

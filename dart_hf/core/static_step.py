@@ -1,22 +1,22 @@
-"""The GPU-shaped DART step: a static KV cache, fixed shapes, and one function per step that `torch.compile` captures
-whole (`generate(..., assistant_model=head, cache_implementation="static")`).
+"""The GPU-shaped step backend: a static KV cache, fixed shapes, and one function per step that `torch.compile`
+captures whole (`generate(..., assistant_model=head, cache_implementation="static")`).
 
 Why: on a GPU an eager decode loop is bound by kernel launches and host syncs, not by the model, and plain `generate`
-with a static cache is compiled (transformers' auto-compile). The eager tree loop has a shape per step (tree size,
-path length) and three host syncs, so it cannot be captured. Here every shape is fixed for the call:
+with a static cache is compiled (transformers' auto-compile). The eager step has a shape per step (tree size, path
+length) and host reads, so it cannot be captured. Here every shape is fixed for the call:
 
 - the target decodes into transformers' own `StaticCache`; a step's N tree nodes (a fixed node budget: N = budget + 1)
   are written into the N slots after the committed text (the layer's `cumulative_length`), and the accepted path is
   moved into place with one `index_copy_` per layer, its length set back on the device;
-- the head keeps its keys/values in fixed buffers too (`StaticHeadState`): the positions verified last step are a
-  fixed block of M = depth + 1 rows of which the first `n_pend` are real, so the head forward has one shape;
+- the drafter (`DartDrafter`, the eager step's own) is made with every buffer at its final size and one path of
+  pending slots (M = depth + 1, the first `n_pend` real), so its head forward and tree search have one shape;
 - the masks are tensors built from the device-side lengths (no Python int of a length anywhere in the step);
-- head forward + tree search + verify + greedy acceptance + commit is `greedy_step`, captured with `fullgraph=True`;
-  the accepted length and tokens come back to the host in ONE copy per step (`StaticStep.step`).
+- head forward + tree search + verify (`target.target_forward`) + greedy acceptance + commit is `greedy_step`, captured
+  with `fullgraph=True`; the accepted length and tokens come back to the host in ONE copy per step.
 
-Sampling and logits processors keep the eager acceptance walk (one draw per emitted token, as plain `generate`, so the
-same seed gives the same text) between the captured `draft_tree` + `verify` and `commit`.
-What the static path cannot run (a batch, sliding windows, ...) runs on the eager loop, and `DartStats.static_reason`
+Sampling and logits processors keep the call's acceptance walk (one draw per emitted token, as plain `generate`, so
+the same seed gives the same text) between the captured `draft_tree` + `verify` and `commit`.
+What the static step cannot run (a batch, sliding windows, ...) runs on the eager step, and `DartStats.static_reason`
 says why (`static_refusal`).
 """
 
@@ -28,14 +28,13 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, StaticCache
 
-from .acceptance import BatchAccepted, accept_walk, greedy_paths
-from .modeling import DartHead, TargetModules
+from .acceptance import BatchAccepted, StepAcceptance, greedy_paths
 from .distributed import tensor_parallel_group
-from .ragged import backend_mask, decode_cache, layer_windows
-from .prompt_lookup import lookup_continuations
-from .tree import DraftTrees, TreeSearchParams, build_trees, last_tokens
-
-SLOT_ROUNDING = 256  # cache lengths are rounded up to this, so calls of nearby lengths share one compiled graph
+from .drafter import DartDrafter, bucket, draft_depth
+from .modeling import DartHead
+from .ragged import backend_mask, layer_windows
+from .target import target_forward
+from .tree import DraftTrees
 
 
 def static_requested(generation_config: GenerationConfig, model_kwargs: dict) -> bool:
@@ -66,72 +65,34 @@ def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_co
     return None
 
 
-def static_call(model, head: DartHead, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
-                model_kwargs: dict, policy, node_budget: int, prompt_lookup: bool):
-    """(the call's `StaticStep` or None, the cache to decode into or None for the eager loop's own, why the static step
-    was refused or None). The budget is fixed for the call: the cost-aware policy's current choice for "auto"."""
-    if not static_requested(generation_config, model_kwargs):
-        return None, None, None
-    given = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
-    if isinstance(given, StaticCache) and given.get_seq_length() != 0:
-        raise ValueError("DART decoding needs an empty StaticCache (a pre-filled cache is not supported)")
-    budget = max(1, policy.choice) if policy is not None else node_budget
-    reason = static_refusal(model, input_ids, attention_mask, generation_config, budget,
+def static_step(model, head: DartHead, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
+                node_budget: int, prompt_lookup: bool, aux_layer_ids: list[int]) -> tuple["StaticStep | None", str | None]:
+    """(the call's `StaticStep`, None), or (None, why the static step was refused: the call runs the eager step). The
+    budget is fixed for the call; the step is compiled under transformers' own decision
+    (`_valid_auto_compile_criteria`) with the call's `compile_config`."""
+    reason = static_refusal(model, input_ids, attention_mask, generation_config, node_budget,
                             tensor_parallel_group(model) is not None)
     if reason is not None:
-        return None, decode_cache(model.config), reason
-    step = StaticStep(model, head, node_budget=budget, max_length=generation_config.max_length,
-                      eos_token_ids=generation_config._eos_token_tensor, prompt_lookup=prompt_lookup)
-    # always a cache of its own: its length is rounded (`static_cache_length`) so that calls of nearby lengths share
-    # one compiled graph; generate's (max_length slots) would recompile for every prompt length
-    step.cache = StaticCache(config=model.config, max_cache_len=static_cache_length(generation_config.max_length,
-                                                                                    step.nodes))
+        return None, reason
+    max_length = generation_config.max_length
+    depth = draft_depth(node_budget, max_length, head.config.num_predictions)
+    drafter = DartDrafter(head, model, max_length=max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
+                          eos_token_ids=generation_config._eos_token_tensor, pending=depth + 1, full=True)
+    step = StaticStep(model, drafter, depth=depth, max_length=max_length, aux_layer_ids=aux_layer_ids)
     if model._valid_auto_compile_criteria({"cache": step.cache}, generation_config):
         config = generation_config.compile_config or model._default_compile_config()
         step.compile_options = config.to_dict()
-    return step, step.cache, None
-
-
-def static_cache_length(max_length: int, nodes: int) -> int:
-    """Slots of the call's caches: every committed token plus one tree past the last of them, rounded up."""
-    need = max_length + nodes
-    return -(-need // SLOT_ROUNDING) * SLOT_ROUNDING
-
-
-@dataclass
-class StaticHeadState:
-    """Everything the step reads and updates between steps, as fixed-shape device tensors (updated in place).
-
-    head_k / head_v [1, kv heads, slots, head dim]: the head's keys/values of real positions (head_len of them);
-    pend_aux [1, M, 3H] / pend_tok [1, M]: the positions verified by the last step that the head has not read (their
-    target states and the token after each), the first n_pend real; pos: tokens committed in the target's cache;
-    text [slots]: the text so far (prompt + new tokens, text_len of them; the n-gram context and prompt lookup
-    read it, its last token is the tree's root); last_pos: the largest position a tree node takes (max_length - 1:
-    nodes past it are never kept, and a dynamic RoPE must not see a longer text than plain decoding does)."""
-
-    head_k: torch.Tensor
-    head_v: torch.Tensor
-    head_len: torch.Tensor
-    pend_aux: torch.Tensor
-    pend_tok: torch.Tensor
-    n_pend: torch.Tensor
-    pos: torch.Tensor
-    text: torch.Tensor
-    text_len: torch.Tensor
-    last_pos: torch.Tensor
+    return step, None
 
 
 @dataclass(frozen=True)
 class StepSpec:
-    """The step's Python constants (a change recompiles): tree search settings, draft depth, layers the head reads,
-    the attention backend, n-gram context length and the prompt-lookup n-gram range (None: no lookup)."""
+    """The step's Python constants besides the drafter's search settings (a change recompiles): draft depth, the
+    layers the head reads and the attention backend."""
 
-    params: TreeSearchParams
     depth: int
     aux_ids: tuple[int, ...]
     attn: str
-    context: int
-    lookup: tuple[int, int] | None
 
     @property
     def path_slots(self) -> int:
@@ -140,81 +101,60 @@ class StepSpec:
 
 
 # ------------------------------------------------------------------------------------------------ the step's parts
-def head_draft(head: DartHead, modules: TargetModules, s: StaticHeadState, depth: int) -> torch.Tensor:
-    """`DartHead.draft_rows` on the call's fixed buffers: the M pending rows (n_pend real) + depth - 1 MASK rows,
-    attending over every head-KV slot. Returns logits [depth, draft vocab]."""
-    logits = head.draft_rows(s.pend_aux, s.pend_tok, s.n_pend.view(1), s.head_k, s.head_v, s.head_len.view(1), depth,
-                             modules)
-    s.head_len.add_(s.n_pend)
-    return logits[0]
+def draft_tree(drafter: DartDrafter, depth: int) -> DraftTrees:
+    """Head forward + tree search on the drafter's fixed buffers: the step's one-row tree of exactly node budget + 1
+    nodes (`build_trees` with fixed_size)."""
+    return drafter.search(drafter.forward(depth), fixed_size=True)
 
 
-def draft_tree(head: DartHead, modules: TargetModules, s: StaticHeadState, spec: StepSpec, ngram,
-               eos: torch.Tensor | None) -> DraftTrees:
-    """Head forward + tree search: the step's one-row tree of exactly node budget + 1 nodes (`build_trees` with
-    fixed_size), rooted at the text's last token, with prompt lookup over the fixed-size text buffer."""
-    logits = head_draft(head, modules, s, spec.depth)
-    context = last_tokens(s.text.unsqueeze(0), s.text_len.view(1), spec.context)
-    lookup = None
-    if spec.lookup is not None:
-        lookup = lookup_continuations(s.text[None], spec.depth, *spec.lookup, used=s.text_len.view(1))
-    return build_trees(logits[None], context[:, -1], context, spec.params, ngram=ngram,
-                       draft_to_target=head.draft_to_target, eos_token_ids=eos, lookup=lookup, fixed_size=True)
-
-
-def verify(target, cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTrees):
-    """The target's forward over the tree written into cache slots pos..pos+N-1: node i sees the committed slots and
-    its ancestors' slots. Returns (float logits [N, vocab], the head's layer inputs at every node [N, 3H])."""
+def verify(target, cache: StaticCache, drafter: DartDrafter, spec: StepSpec, tree: DraftTrees,
+           last_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's forward (`target_forward`) over the tree written into cache slots pos..pos+N-1, pos the tokens
+    committed (the text but its last token, the root): node i sees the committed slots and its ancestors' slots, at
+    positions no later than `last_pos` (max_length - 1: nodes past it are never kept, and a dynamic RoPE must not
+    see a longer text than plain decoding does). Returns (float logits [N, vocab], the layer states [N, 3H])."""
     n, slots = tree.width, cache.layers[0].max_cache_len
-    slot = torch.arange(slots, device=s.pos.device)
-    rel = slot - s.pos
+    pos = drafter.text_len[0] - 1
+    slot = torch.arange(slots, device=pos.device)
+    rel = slot - pos
     in_tree = tree.ancestor_mask[0][:, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))
-    visible = (slot < s.pos) | in_tree
-    out = target(
-        input_ids=tree.tokens,
-        attention_mask=backend_mask(visible.unsqueeze(0), spec.attn, target.dtype),
-        position_ids=torch.minimum(s.pos + tree.depths, s.last_pos),
-        cache=cache, use_cache=True, output_hidden_states=list(spec.aux_ids), logits_to_keep=0,
-    )
-    aux = torch.cat([out.hidden_states[i][0] for i in spec.aux_ids], dim=-1)
-    return out.logits[0].float(), aux
+    visible = (slot < pos) | in_tree
+    logits, aux = target_forward(target, tree.tokens, backend_mask(visible.unsqueeze(0), spec.attn, target.dtype),
+                                 torch.minimum(pos + tree.depths, last_pos), cache, list(spec.aux_ids))
+    return logits[0], aux[0]
 
 
-def commit(cache: StaticCache, s: StaticHeadState, path: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor,
+def commit(cache: StaticCache, drafter: DartDrafter, path: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor,
            aux: torch.Tensor) -> None:
     """Keep the accepted path: its cache entries move to slots pos..pos+M-1 (those past `length` are overwritten
-    next step), the cache length becomes pos + length, its states and tokens are the head's next rows."""
-    dst = s.pos + torch.arange(path.numel(), device=path.device)
-    src = s.pos + path
+    next step), the cache length becomes pos + length, its states and tokens go to the drafter (`append`)."""
+    pos = drafter.text_len[0] - 1
+    dst = pos + torch.arange(path.numel(), device=path.device)
+    src = pos + path
     for layer in cache.layers:
         layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
         layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
-        layer.cumulative_length.copy_(s.pos + length)
-    s.pend_aux.copy_(aux.index_select(0, path).unsqueeze(0))
-    s.pend_tok.copy_(tokens.unsqueeze(0))
-    s.n_pend.copy_(length)
-    s.text.index_copy_(0, s.text_len + torch.arange(path.numel(), device=path.device), tokens)
-    s.text_len.add_(length)
-    s.pos.add_(length)
+        layer.cumulative_length.copy_(pos + length)
+    drafter.append(aux.index_select(0, path).unsqueeze(0), tokens.unsqueeze(0), length.view(1))
 
 
-def accept_commit(cache: StaticCache, s: StaticHeadState, spec: StepSpec, tree: DraftTrees, logits: torch.Tensor,
+def accept_commit(cache: StaticCache, drafter: DartDrafter, spec: StepSpec, tree: DraftTrees, logits: torch.Tensor,
                   aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance (`greedy_paths` with M fixed slots: no host sync) and `commit`. Returns (length 0-d, tokens
     [M]: the accepted draft tokens then the target's own, the first `length` real)."""
     predicted = logits.argmax(dim=-1)
     paths, lengths = greedy_paths(tree, predicted.unsqueeze(0), spec.path_slots)
     tokens = predicted[paths[0]]
-    commit(cache, s, paths[0], lengths[0], tokens, aux)
+    commit(cache, drafter, paths[0], lengths[0], tokens, aux)
     return lengths[0], tokens
 
 
-def greedy_step(target, head: DartHead, modules: TargetModules, cache: StaticCache, s: StaticHeadState,
-                spec: StepSpec, ngram, eos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_step(target, cache: StaticCache, drafter: DartDrafter, spec: StepSpec,
+                last_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One whole greedy DART step, captured as one graph: `draft_tree`, `verify`, `accept_commit`."""
-    tree = draft_tree(head, modules, s, spec, ngram, eos)
-    logits, aux = verify(target, cache, s, spec, tree)
-    return accept_commit(cache, s, spec, tree, logits, aux)
+    tree = draft_tree(drafter, spec.depth)
+    logits, aux = verify(target, cache, drafter, spec, tree, last_pos)
+    return accept_commit(cache, drafter, spec, tree, logits, aux)
 
 
 _COMPILED: dict = {}
@@ -235,98 +175,81 @@ def compiled(fn, compile_options: dict | None):
 
 
 class StaticStep:
-    """The static step of one call: its caches, state and the (compiled) step functions."""
+    """The static step backend of one call: its `StaticCache`, its drafter on fixed buffers and the (compiled) step
+    functions. Same methods as `eager_step.EagerStep`."""
 
-    def __init__(self, target, head: DartHead, *, node_budget: int, max_length: int,
-                 eos_token_ids: torch.Tensor | None, prompt_lookup: bool):
-        self.target, self.head = target, head
-        self.cache: StaticCache | None = None  # set by `static_call`
+    static = True
+
+    def __init__(self, target, drafter: DartDrafter, *, depth: int, max_length: int, aux_layer_ids: list[int]):
+        self.target, self.drafter = target, drafter
+        self.spec = StepSpec(depth, tuple(aux_layer_ids), target.config._attn_implementation or "eager")
+        # the target's cache: every committed token plus one tree past them, sized by the one rounding rule
+        # (`drafter.bucket`), so that calls of nearby lengths share one compiled graph (generate's own cache of
+        # max_length slots would recompile for every prompt length)
+        self.cache = StaticCache(config=target.config, max_cache_len=bucket(max_length) + self.nodes)
+        self.last_pos = torch.tensor(max_length - 1, device=drafter.device)
         self.compile_options: dict | None = None  # torch.compile options (None: the static step runs eagerly)
-        self.fallback: str | None = None  # why the step stopped being compiled mid-call (`_run`)
-        self.modules = TargetModules.of(target)
-        config = head.config
-        params = TreeSearchParams.from_config(config, node_budget=node_budget)
-        depth = max(1, min(node_budget, config.num_predictions))
-        attn = target.config._attn_implementation or "eager"
-        self.ngram = head.ngram.to(head.device) if head.ngram is not None else None
-        context = max(self.ngram.context_size if self.ngram is not None else 0, 1)
-        lookup = (config.lookup_min_ngram, config.lookup_max_ngram) if prompt_lookup else None
-        self.spec = StepSpec(params, depth, tuple(config.aux_layer_ids), attn, context, lookup)
-        self.eos = eos_token_ids.to(head.device).view(-1) if eos_token_ids is not None else None
-        dev, dtype, m = head.device, head.dtype, self.spec.path_slots
-        slots = static_cache_length(max_length, m + depth)
-        kv = (1, config.num_key_value_heads, slots, config.head_dim)
-        long = lambda *shape: torch.zeros(shape, dtype=torch.long, device=dev)
-        self.state = StaticHeadState(
-            head_k=torch.zeros(kv, device=dev, dtype=dtype), head_v=torch.zeros(kv, device=dev, dtype=dtype),
-            head_len=long(), pend_aux=torch.zeros(1, m, 3 * config.target_hidden_size, device=dev, dtype=dtype),
-            pend_tok=long(1, m), n_pend=long(), pos=long(), text=long(slots), text_len=long(),
-            last_pos=torch.tensor(max_length - 1, device=dev),
-        )
-        for t in vars(self.state).values():  # updated in place every step: fixed addresses for CUDA graphs
+        self.reason: str | None = None  # what of the step runs outside the captured graph, or why it stopped being
+        for t in [*drafter.tensors(), self.last_pos]:  # updated in place every step: fixed addresses (CUDA graphs)
             torch._dynamo.mark_static_address(t)
 
     @property
     def nodes(self) -> int:
-        return self.spec.params.node_budget + 1
+        return self.drafter.params.node_budget + 1
 
-    def start(self, input_ids: torch.Tensor, aux: torch.Tensor, first: torch.Tensor) -> None:
-        """After the prefill (eager): the head reads the prompt's states (all but the last position written to its
-        cache here; the last one is the first step's pending row), the text is the prompt + `first`."""
-        s, head, dev = self.state, self.head, self.head.device
-        tokens = torch.cat([input_ids[0, 1:], first.view(1)]).to(dev)
-        aux = aux[0].to(dev, head.dtype)
-        n = tokens.numel()
-        if n > 1:  # their keys/values (the one prediction this computes is not needed)
-            head.draft_rows(aux[None, : n - 1], tokens[None, : n - 1], torch.tensor([n - 1], device=dev), s.head_k,
-                            s.head_v, s.head_len.view(1), 1, self.modules)
-        s.head_len.fill_(n - 1)
-        s.pend_aux[0, 0], s.pend_tok[0, 0] = aux[-1], tokens[-1]
-        s.n_pend.fill_(1)
-        s.pos.fill_(input_ids.shape[1])
-        s.text[: n + 1] = torch.cat([input_ids[0].to(dev), first.view(1).to(dev)])
-        s.text_len.fill_(n + 1)
+    @property
+    def compiled(self) -> bool:
+        return self.compile_options is not None
 
-    def step(self, context: torch.Tensor, logits_processor, do_sample: bool, greedy: bool, timer) -> BatchAccepted:
-        """One step; returns its tokens on the host as a one-row `BatchAccepted`. Greedy without processors: the
-        captured `greedy_step` and ONE device-to-host copy (length + tokens); with `dart_timing` its three parts are
-        captured and timed one by one (phases draft = head + tree search, verify, accept). Sampling or processors:
-        the captured draft and verify, the acceptance walk (`accept_walk`, eager: one draw per token as plain
-        `generate`), the captured `commit`."""
-        run, s, spec = self._run, self.state, self.spec
-        if greedy and not timer.requested:
+    @property
+    def returned_cache(self) -> StaticCache:
+        return self.cache
+
+    def start(self, input_ids: torch.Tensor, lefts: list[int], aux: torch.Tensor, first: torch.Tensor) -> None:
+        """After the prefill (eager): the prompt's states and first token to the drafter."""
+        self.drafter.start(input_ids, lefts, aux, first)
+
+    def step(self, budget: int, max_new: list[int], accept: StepAcceptance, active: list[int],
+             timer) -> tuple[DraftTrees | None, BatchAccepted]:
+        """One step (the call's one budget; `max_new` is the positions' bound `last_pos`), its tokens on the host.
+        Greedy without processors: the captured `greedy_step` and ONE device-to-host copy (length + tokens); with
+        `dart_timing` its three parts are captured and timed one by one (phases draft = head + tree search, verify,
+        accept). Sampling or processors: the captured draft and verify, the call's acceptance walk (eager), the
+        captured `commit`."""
+        run, drafter, spec = self._run, self.drafter, self.spec
+        if accept.greedy and not timer.requested:
             with timer.phase("step"):
-                length, tokens = run(greedy_step, self.target, self.head, self.modules, self.cache, s, spec,
-                                     self.ngram, self.eos)
-                return _host_result(length, tokens)  # the step's one host sync
+                return None, _host_result(*run(greedy_step, self.target, self.cache, drafter, spec, self.last_pos))
         with timer.phase("draft"):
-            tree = run(draft_tree, self.head, self.modules, s, spec, self.ngram, self.eos)
+            tree = run(draft_tree, drafter, spec.depth)
         with timer.phase("verify"):
-            logits, aux = run(verify, self.target, self.cache, s, spec, tree)
+            logits, aux = run(verify, self.target, self.cache, drafter, spec, tree, self.last_pos)
         with timer.phase("accept"):
-            if greedy:
-                return _host_result(*run(accept_commit, self.cache, s, spec, tree, logits, aux))
-            walk = accept_walk(tree.row(0, self.nodes), logits, context.unsqueeze(0), logits_processor, do_sample)
-            m, n = spec.path_slots, walk.path.numel()
+            if accept.greedy:
+                return tree, _host_result(*run(accept_commit, self.cache, drafter, spec, tree, logits, aux))
+            step = accept(tree, logits.unsqueeze(0), active)
+            m, n = spec.path_slots, int(step.lengths[0])
             pad = lambda t: torch.cat([t, t[-1:].expand(m - n, *t.shape[1:])])
-            run(commit, self.cache, s, pad(walk.path), torch.tensor(n, device=walk.path.device), pad(walk.tokens),
-                aux)
-        return BatchAccepted(paths=walk.path.unsqueeze(0), lengths=torch.tensor([n]), tokens=walk.tokens.unsqueeze(0),
-                             scores=walk.scores.unsqueeze(0), logits=walk.logits.unsqueeze(0))
+            run(commit, self.cache, drafter, pad(step.paths[0]), torch.tensor(n, device=step.paths.device),
+                pad(step.tokens[0]), aux)
+        step.lengths = step.lengths.cpu()
+        return tree, step
 
+    def retire(self, keep: list[int]) -> None:
+        """One row: when it is done, the call is."""
 
     def _run(self, fn, *args):
         """`fn` compiled (the call's options), or uncompiled once torch.compile refused to capture it again: dynamo
         keeps at most `recompile_limit` graphs per function (8), and every (target, budget, cache size) is one; the
         refusal comes before the graph runs, so the state is untouched and the step runs uncompiled for the rest of the
-        call (`fallback` says so in the stats)."""
+        call (`reason` says so in the stats)."""
         if self.compile_options is not None:
             try:
                 return compiled(fn, self.compile_options)(*args)
             except torch._dynamo.exc.FailOnRecompileLimitHit as err:
                 self.compile_options = None
-                self.fallback = (f"torch.compile refused another graph of {fn.__name__} in this process ({err}); "
-                                 "the static step ran uncompiled from there")
+                self.reason = (f"torch.compile refused another graph of {fn.__name__} in this process ({err}); "
+                               "the static step ran uncompiled from there")
         return fn(*args)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import threading
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -25,10 +24,16 @@ def cache_kwargs(model: nn.Module, cache) -> dict:
     return {_cache_parameter(type(model)): cache}
 
 
-@lru_cache(maxsize=None)
+_CACHE_PARAMETER: dict[type, str] = {}
+
+
 def _cache_parameter(model_class: type) -> str:
-    """Read once per model class (every verify step asks): the class's forward, not an instance's hook wrapper."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    """Read once per model class (every verify step asks): the class's forward, not an instance's hook wrapper. A
+    plain dict, not `lru_cache`: the compiled static step traces this lookup."""
+    if model_class not in _CACHE_PARAMETER:
+        params = inspect.signature(model_class.forward).parameters
+        _CACHE_PARAMETER[model_class] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_PARAMETER[model_class]
 
 
 def decoder_layers(target: PreTrainedModel) -> nn.ModuleList:
@@ -71,6 +76,17 @@ def aux_states(outputs, layer_ids: list[int], device: torch.device | None = None
         )
     device = device or states[layer_ids[0]].device
     return torch.cat([states[i].to(device) for i in layer_ids], dim=-1)
+
+
+def target_forward(target: nn.Module, input_ids: torch.Tensor, attention_mask, position_ids: torch.Tensor, cache,
+                   aux_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's forward over draft nodes, as every DART step runs it (the eager and the static step alike): its
+    cache under the keyword this model takes (`cache_kwargs`), every position's logits, and the inputs of the layers
+    the head reads (`aux_request` / `aux_states`, checked). Returns (float logits [rows, N, vocab], states
+    [rows, N, 3 * hidden])."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                 logits_to_keep=0, **cache_kwargs(target, cache), **aux_request(aux_layer_ids))
+    return out.logits.float(), aux_states(out, aux_layer_ids)
 
 
 # ---------------------------------------------------------------------------------------------- placement

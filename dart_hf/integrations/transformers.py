@@ -8,7 +8,8 @@
   because transformers does not forward it to custom callables, and stop strings become a `StopStringCriteria`
   here because transformers drops `tokenizer` for custom callables. `dart_mode="chain"` instead runs transformers'
   own assisted-decoding loop with the head as a chain drafter. `assistant_model` may also name a head's folder or
-  Hub id (loaded once per process). Any other call goes to the original `generate` untouched.
+  Hub id (loaded once per process); any other string is refused at once with a ValueError that says what it names
+  (transformers' `generate` takes no string). Any other call goes to the original `generate` untouched.
 
 Nothing else is patched, registered or changed, at import or during a call: the target's layer inputs come back from
 its own forward (`output_hidden_states` with the layer indices, which transformers collects per call), the tree mask
@@ -26,12 +27,17 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
+import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import huggingface_hub
 import torch
 import transformers.pipelines.base as pipelines_base
+from huggingface_hub.errors import EntryNotFoundError, HFValidationError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
@@ -85,15 +91,17 @@ class DartCandidateGenerator(CandidateGenerator):
     @property
     def num_drafting_tokens(self) -> int:
         """The most tokens one call proposes (transformers >= 5.25 sizes the cache's rollback history by it)."""
-        return draft_depth(self.drafter.params, self.max_length, self.drafter.head.config.num_predictions)
+        return draft_depth(self.drafter.params.node_budget, self.max_length, self.drafter.head.config.num_predictions)
 
     def get_candidates(self, input_ids: torch.LongTensor, is_first_iteration: bool = False, model_outputs=None,
                        **kwargs):
-        if is_first_iteration:
-            self.drafter.start(input_ids[:, 0])
-        else:  # first: the target's prefill produces the states we read
+        if not is_first_iteration:  # first: the target's prefill produces the states we read
             rows = input_ids.shape[1] - 1 - self.seen  # the positions the latest forward verified
-            self.drafter.advance(aux_states(model_outputs, self.aux_ids)[:, :rows], input_ids[:, self.seen + 1 :])
+            aux = aux_states(model_outputs, self.aux_ids)[:, :rows]
+            if self.seen == 0:  # the prompt's states and the first new token
+                self.drafter.start(input_ids[:, :-1], [0], aux, input_ids[:, -1])
+            else:
+                self.drafter.advance(aux, input_ids[:, self.seen + 1 :])
             self.seen += rows
         max_new = self.max_length - input_ids.shape[1] - 1
         if not is_first_iteration and max_new > 0:
@@ -140,8 +148,10 @@ def _stop_strings_as_criteria(model, kwargs: dict) -> None:
 def _chain_generate(model, head: DartHead, args, kwargs):
     """transformers' assisted decoding with the head as chain drafter.
 
-    `prepare_call` (the tree loop's, run before transformers sees the head: its own assistant checks would otherwise
-    fail first with misleading advice, e.g. "different tokenizers" for a vocab mismatch) checks and places the head."""
+    `check_head_matches_target` and `prepare_call` (the tree loop's, run before transformers sees the head: its own
+    assistant checks would otherwise fail first with misleading advice, e.g. "different tokenizers" for a vocab
+    mismatch) check and place the head."""
+    check_head_matches_target(head, model)
     placed, stats = prepare_call(head, model, kwargs.pop("dart_stats", None))
     config = kwargs.get("generation_config") or model.generation_config
     check_tensor_parallel_call(placed, model, mode="chain", batch_size=1,
@@ -166,6 +176,10 @@ def _check_chain_inputs(args: tuple, kwargs: dict) -> None:
         )
     if kwargs.get("inputs_embeds") is not None and (not isinstance(ids, torch.Tensor) or ids.numel() == 0):
         raise ValueError('DART dart_mode="chain" needs input_ids (the head drafts from them) beside inputs_embeds')
+    if isinstance(ids, torch.Tensor) and ids.numel() == 0:
+        raise ValueError(f'DART dart_mode="chain" needs at least one prompt token (the head drafts from the text), '
+                         f"got input_ids of shape {tuple(ids.shape)}; without input_ids generate starts from the "
+                         f"target's bos_token_id")
     config = kwargs.get("generation_config")
     if kwargs.get("output_hidden_states") or getattr(config, "output_hidden_states", False):
         raise ValueError('DART dart_mode="chain" asks the target for the hidden states its head reads, so it cannot '
@@ -188,8 +202,8 @@ def _check_chain_stops(model, kwargs: dict) -> None:
 
 @functools.wraps(_original_generate)
 def _generate(self, *args, assistant_model=None, **kwargs):
-    if isinstance(assistant_model, (str, os.PathLike)) and _names_a_head(os.fspath(assistant_model)):
-        assistant_model = _head_named(os.fspath(assistant_model))
+    if isinstance(assistant_model, (str, os.PathLike)):  # transformers' generate takes no string: a head's name
+        assistant_model = _named_assistant(os.fspath(assistant_model), "generate")
     if not isinstance(assistant_model, DartHead):
         return _original_generate(self, *args, assistant_model=assistant_model, **kwargs)
     mode = kwargs.pop("dart_mode", "tree")
@@ -223,14 +237,82 @@ def _get_candidate_generator(self, generation_config, *args, assistant_model=Non
     return DartCandidateGenerator(call.head, self, generation_config, call)
 
 
-def _names_a_head(name: str) -> bool:
-    """Whether `name` (a folder or Hub repo id, as pipelines take `assistant_model`) holds a DART head's config:
-    transformers would load it as a causal LM, which a head is not."""
+EXPECTED_ASSISTANT = ("assistant_model takes a DART head (its folder, holding a config.json with model_type \"dart\", "
+                      "or its Hub repo id) or a loaded assistant model")
+
+
+def _named_assistant(name: str, caller: str) -> DartHead | None:
+    """The DART head that `name` (a folder or a Hub repo id) holds; else, for a pipeline, None (transformers' own
+    loader takes any other model's name) and for `generate` a ValueError (transformers' `generate` takes no string:
+    without this it fails on `'str' object has no attribute 'config'`). What `name` is not is said at once, as a
+    ValueError naming what was found there (`_assistant_config`)."""
+    config = _assistant_config(name)
+    if config.get("model_type") == DartHead.config_class.model_type:
+        try:
+            return _head_named(name)
+        except ValueError as err:  # a head's folder that does not load (a bad field, a missing n-gram): say which
+            raise ValueError(f"assistant_model={name!r}: {err}") from err
+    if caller == "pipeline":
+        return None
+    raise ValueError(
+        f"assistant_model={name!r} holds a {config.get('model_type')!r} model, not a DART head: generate takes a "
+        f"DART head's folder or Hub id as a string, and any other assistant as a loaded model "
+        f"(AutoModelForCausalLM.from_pretrained({name!r}))"
+    )
+
+
+def _assistant_config(name: str) -> dict:
+    """The config.json of `name` as a dict: a local folder's, else a Hub repo's (the cached copy, or else one request:
+    transformers' own loader retries an unreachable Hub for about 20 s). A ValueError says what `name` was found to
+    be where it cannot be a model: a file, a folder without config.json or with an unreadable one, a path that
+    does not exist, a Hub repo that is unreachable, missing or has no config.json."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        raise ValueError(f"assistant_model={name!r} is a file, not a model folder; {EXPECTED_ASSISTANT}")
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            found = sorted(p.name for p in path.iterdir())[:5]
+            raise ValueError(f"assistant_model={name!r} is a folder without config.json (it holds "
+                             f"{found or 'nothing'}); {EXPECTED_ASSISTANT}")
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:  # ValueError: bad JSON or bad UTF-8
+            raise ValueError(f"assistant_model={name!r}: {config_file} is not readable JSON ({err}); "
+                             f"{EXPECTED_ASSISTANT}") from err
+        if not isinstance(config, dict):
+            raise ValueError(f"assistant_model={name!r}: {config_file} holds a JSON {type(config).__name__}, not "
+                             f"an object; {EXPECTED_ASSISTANT}")
+        return config
     try:
-        config, _ = DartHead.config_class.get_config_dict(name)
-    except (OSError, ValueError):
-        return False  # transformers' own loader says what is wrong with it
-    return config.get("model_type") == DartHead.config_class.model_type
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"assistant_model={name!r}: no such file or folder (from {os.getcwd()}), and not the form "
+                         f"of a Hub repo id; {EXPECTED_ASSISTANT}") from None
+    return _hub_config(name)
+
+
+def _hub_config(repo_id: str) -> dict:
+    """The config.json of Hub repo `repo_id`: the cached copy, or else after one request that finds it there."""
+    try:
+        return DartHead.config_class.get_config_dict(repo_id, local_files_only=True)[0]
+    except OSError:
+        pass  # not cached
+    where = f"assistant_model={repo_id!r} is no local file or folder (from {os.getcwd()}) and"
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError(f"{where} the Hub is offline (HF_HUB_OFFLINE) with no cached copy of that repo; "
+                         f"{EXPECTED_ASSISTANT}")
+    try:
+        huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, "config.json"))  # no retries
+    except RepositoryNotFoundError:
+        raise ValueError(f"{where} the Hub has no repo {repo_id!r} (or it is private or gated: `hf auth login`); "
+                         f"{EXPECTED_ASSISTANT}") from None
+    except EntryNotFoundError:
+        raise ValueError(f"{where} the Hub repo {repo_id!r} has no config.json; {EXPECTED_ASSISTANT}") from None
+    except Exception as err:  # the transport's own errors (no network, DNS, timeout): the library varies by version
+        raise ValueError(f"{where} the Hub could not be reached ({type(err).__name__}: {err}); "
+                         f"{EXPECTED_ASSISTANT}") from err
+    return DartHead.config_class.get_config_dict(repo_id)[0]
 
 
 @functools.lru_cache(maxsize=8)
@@ -241,8 +323,8 @@ def _head_named(name: str) -> DartHead:
 
 @functools.wraps(_original_load_assistant_model)
 def _load_assistant_model(model, assistant_model, assistant_tokenizer):
-    if isinstance(assistant_model, (str, os.PathLike)) and _names_a_head(os.fspath(assistant_model)):
-        assistant_model = _head_named(os.fspath(assistant_model))
+    if isinstance(assistant_model, (str, os.PathLike)):
+        assistant_model = _named_assistant(os.fspath(assistant_model), "pipeline") or assistant_model
     if isinstance(assistant_model, DartHead):
         check_head_matches_target(assistant_model, model)
         return assistant_model, None  # the head drafts in the target's own vocabulary

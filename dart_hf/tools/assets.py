@@ -597,3 +597,29 @@ def eval_prompts(tokenizer: PreTrainedTokenizerBase, dataset: str, n: int) -> li
     if len(texts) < n:
         raise ValueError(f"{dataset} has only {len(texts)} evaluation prompts, {n} requested")
     return [chat_input_ids(tokenizer, text) for text in texts]
+
+
+# --------------------------------------------------------------------------------------------------
+# `python -m dart_hf.tools.assets NAME`
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the folder behind a target name (`target_folder`: a known target is converted on first use). It is an
+    ordinary transformers model folder, so transformers alone loads it: the README's "Run a head without installing
+    dart_hf" uses it where the Hub cannot be reached."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dart_hf.tools.assets",
+                                     description="print the model folder behind a target name")
+    parser.add_argument("target", help=f"a known target ({', '.join(KNOWN_TARGETS)}) or a model folder")
+    args = parser.parse_args(argv)
+    try:
+        print(target_folder(args.target).absolute())
+    except (OSError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,8 @@
 """`dart-hf calibrate`: measure a target's verify-cost curve on this device, check it, and write it where decoding
 reads it (`dart_hf.core.cost`). `generate` never measures: without a curve the cost-aware budget chooses between
-plain decoding and one fixed tree size (`dart_hf.core.budget`).
+plain decoding and one fixed tree size (`dart_hf.core.budget`). On a CPU a curve belongs to one torch thread count
+(part of its key: a verify on 1 thread and on 2 cost different amounts), so a process decoding on another count
+finds none; `--threads N` measures for N threads.
 
 What is timed is the target's own forward over N tree tokens (`dart_hf.core.verify.verify_tree`), every size once per
 round, in a few interleaved rounds (ascending, then descending sizes): a slow spell inflates one sample of every size,
@@ -27,8 +29,9 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -104,6 +107,59 @@ class CpuUse:
 
     def as_dict(self) -> dict:
         return {"other_cores": self.other_cores, "load_average_1min": self.load_average, "cores": self.cores}
+
+
+PROBE_SECONDS = 0.5  # `other_cpu_use`: long enough to see a busy process, short beside any timing
+
+
+def other_cpu_use(seconds: float = PROBE_SECONDS) -> CpuUse:
+    """How busy other processes keep the CPU right now: `CpuUse` around `seconds` of this process sleeping."""
+    with CpuUse() as use:
+        time.sleep(seconds)
+    return use
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The torch thread count a timing command runs on (`choose_threads`), and why, in words for its user."""
+
+    threads: int
+    default: int  # torch's count in this process before the choice
+    busy: str | None  # why the machine counted as busy before timing (`CpuUse.busy`); None: it looked idle
+    reason: str
+
+
+def choose_threads(requested: int | None = None, probe: Callable[[], CpuUse] | None = None) -> ThreadChoice:
+    """The torch thread count for a command that owns its process and times decoding (`dart-hf demo`; `dart-hf
+    bench` may call it too): `requested` where given, else torch's own count, or, when other processes are using the
+    CPU (`probe`, default `other_cpu_use`, before any timing), one thread per core they leave free, at least one.
+
+    Why: torch's threads meet at every operation, so one of them descheduled by another process stalls the rest. On
+    a 2-core machine beside one busy process SmolLM2 decoded at about 1 token/s on torch's 2 threads, at 17 on one.
+    Only the command's own process may take this choice (`torch.set_num_threads`): a library call never changes a
+    process-wide setting. The verify-cost curve is stored per thread count (`dart_hf.core.cost`): a count other
+    than the one `dart-hf calibrate` ran at decodes without a curve until it is calibrated at that count too."""
+    default = torch.get_num_threads()
+    if requested is not None:
+        return ThreadChoice(requested, default, None, f"{_threads(requested)} (--threads)")
+    use = (probe or other_cpu_use)()
+    busy = use.busy()
+    if busy is not None and use.other_cores is not None:  # CpuUse.busy's words are for a timing's aftermath
+        busy = f"other processes were using {use.other_cores:.1f} of the {use.cores} cores"
+    if busy is None:
+        return ThreadChoice(default, default, None, f"{_threads(default)} (torch's default; the CPU looked idle)")
+    taken = max(1, round(use.other_cores)) if use.other_cores is not None else 1
+    threads = max(1, min(default, use.cores - taken))
+    if threads == default:
+        return ThreadChoice(default, default, busy, f"{_threads(default)} (torch's default); before timing, {busy}")
+    return ThreadChoice(threads, default, busy,
+                        f"{_threads(threads)} instead of torch's {default}: before timing, {busy}, and torch's "
+                        f"threads wait for each other at every step, so a core taken by another process stalls them "
+                        f"all (--threads {default} keeps torch's default)")
+
+
+def _threads(n: int) -> str:
+    return f"{n} torch thread{'s' if n != 1 else ''}"
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
@@ -436,13 +492,29 @@ def run(args: argparse.Namespace) -> int:
     """Load the target, load or measure its curve, print it. Exit status 0 when a curve is stored (a noisy one
     included: it says so), 1 when a new measurement failed its checks and a stored curve that passed them was kept
     (it says how to store the new one anyway)."""
-    from .assets import announce_installs, load_target
+    from .assets import announce_installs
 
     if args.repeats < 1:
         raise SystemExit("dart-hf calibrate: --repeats must be >= 1")
     if args.past_len is not None and args.past_len < 1:
         raise SystemExit("dart-hf calibrate: --past-len must be >= 1")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise SystemExit("dart-hf calibrate: --threads must be >= 1")
     announce_installs("dart-hf calibrate", args.target)
+    default_threads = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)  # the command owns its process; the curve's key names the count
+        return _calibrate_and_report(args)
+    finally:
+        torch.set_num_threads(default_threads)  # `dart_hf_cli.main` may run inside another program's process
+
+
+def _calibrate_and_report(args: argparse.Namespace) -> int:
+    """`run` on the thread count it set: load the target, load or measure its curve, print it."""
+    from .assets import load_target
+
     target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device,
                             attn_implementation=args.attn)
     started = time.time()
@@ -478,6 +550,8 @@ def run(args: argparse.Namespace) -> int:
     if measured_now and cost.record.get("measure_seconds") is not None:
         state += f" in {cost.record['measure_seconds']:.0f} s"
     print(f"{state}; stored in {cost.path}")
+    if key.get("device") == "cpu":
+        print(thread_note(torch.get_num_threads(), args.target))
     missing = sorted(set(cost.record.get("asked_sizes") or cost.sizes) - set(cost.sizes))
     if missing:
         print(f"dart-hf calibrate: sizes {missing} were not timed within --max-seconds; the budget chooses among the "
@@ -491,6 +565,13 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "batch", False):
         print_batch_check(batch_check(target, cost, repeats=args.repeats))
     return 0
+
+
+def thread_note(threads: int, target: str = "<target>") -> str:
+    """Which processes a CPU curve serves: those decoding on `threads` torch threads (the count is part of the curve's
+    key, `dart_hf.core.cost`), and how to calibrate for another count."""
+    return (f"this curve applies to processes that decode on {threads} torch thread(s) (torch.get_num_threads()); "
+            f"for another count N: `dart-hf calibrate {target} --threads N` (or OMP_NUM_THREADS=N dart-hf calibrate)")
 
 
 def print_batch_check(measured: dict) -> None:

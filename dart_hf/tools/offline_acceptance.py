@@ -139,7 +139,7 @@ def mean_accepted_length(
             # as the loop: the tree may reach one token short of max_length (the last place is the bonus token's);
             # the step appends its accepted drafts and the bonus, cut after EOS (where the text ends)
             max_new = text.max_length - (j + 1) - 1
-            depth = draft_depth(params, max_new, cfg.num_predictions)
+            depth = draft_depth(params.node_budget, max_new, cfg.num_predictions)
             lookup = lookup_for_tree(seq[: j + 1], depth, cfg, seq.device) if prompt_lookup else None
             tree = build_tree(_row_logits(drafts, j - text.prompt_length, depth, vocab), seq[j],
                               seq[max(0, j + 1 - context_size) : j + 1], params, ngram=head.ngram,

@@ -1,0 +1,284 @@
+"""`dart-hf bench --synthetic`, on a CUDA GPU (`examples/gpu_check.sh` runs it): a random target of Qwen3-8B's shape
+in bf16 (`synthetic_target`, no weights downloaded) and a random head of the reference layout; the verify cost by tree
+size and the per-phase time of real DART steps by node budget (`run_synthetic`), and with `--compiled` the same on a
+static cache with `torch.compile` against compiled plain decoding (`TokenClock` times plain's decoding steps without
+its prefill). Writes synthetic.json and synthetic.md (`synthetic_markdown`). Apart from the real-model bench: no
+prompts, no methods list, its own report; it shares only `compile_config`, the step phases, the device sync, the
+environment and the number format.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .bench_methods import compile_config
+from .bench_report import fmt
+from .bench_timing import PHASE_LABELS, PHASES, environment, sync_device
+
+QWEN3_8B_SHAPE = dict(
+    hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+    tie_word_embeddings=False, rms_norm_eps=1e-6,
+)
+
+
+def synthetic_target(shape: dict, device: str | torch.device, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    """A random Qwen3 model of `shape`, built directly on `device` (no weights are loaded or downloaded)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def run_synthetic(
+    shape: dict = QWEN3_8B_SHAPE,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str = "sdpa",
+    budgets: tuple[int, ...] = (7, 15, 31, 63, 95),
+    prompt_len: int = 512,
+    new_tokens: int = 48,
+    draft_length: int = 7,
+    draft_vocab_size: int | None = 32000,
+    cost_sizes: tuple[int, ...] | None = None,
+    repeats: int = 5,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    compiled: bool = False,
+    compile_backend: str = "inductor",
+) -> dict:
+    """Verify cost by tree size, and the per-phase time of real DART steps (random head, random n-gram) by budget.
+
+    The head has the reference Qwen3-8B head's layout (draft length 7, a 32000-token draft vocabulary, norm applied
+    twice), with random weights: it accepts about nothing, so steps are timed at about one token each.
+
+    Correct by construction: the cost curve is `calibrate.measure_verify_cost` and the steps are the real tree
+    loop (`generate(..., assistant_model=head, dart_timing=True)`); nothing here re-implements decoding.
+
+    `compiled`: also plain and DART `generate` on a static cache with `torch.compile` (`compile_backend`), what a GPU
+    user runs: `results["compiled"]` (`_synthetic_compiled`).
+    """
+    from .calibrate import DEFAULT_SIZES, measure_verify_cost
+    from ..core.modeling import DartHead
+    from ..core.ngram import NGramModel
+
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    target = synthetic_target(shape, device, dtype, attn_implementation)
+    build_s = time.perf_counter() - t0
+    vocab = target.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (1, prompt_len), generator=g).to(device)
+    torch.manual_seed(0)
+    dv = None if draft_vocab_size is None else min(draft_vocab_size, vocab)
+    with torch.device(device):
+        head = DartHead.from_target(target, draft_length=draft_length, draft_vocab_size=dv, final_norm_repeats=2)
+    head.eval()
+    if dv is not None:
+        head.set_draft_vocab(torch.randperm(vocab, generator=g)[:dv])
+    seqs = torch.randint(vocab, (64, 256), generator=g).tolist()
+    head.ngram = NGramModel.build(seqs, order=3, vocab_size=vocab, progress=False)
+
+    cost = measure_verify_cost(target, sizes=cost_sizes or DEFAULT_SIZES, past_len=prompt_len, repeats=repeats,
+                               warmup=2)
+    gen = dict(do_sample=False, max_new_tokens=new_tokens, attention_mask=torch.ones_like(ids))
+    target.generate(ids, **{**gen, "max_new_tokens": 8})  # warm-up
+    sync_device(device)
+    start = time.perf_counter()
+    plain_out = target.generate(ids, **gen)
+    sync_device(device)
+    plain_s = time.perf_counter() - start
+    plain_ms = 1e3 * plain_s / (plain_out.shape[1] - ids.shape[1])
+
+    rows = []
+    for budget in tqdm(budgets, desc="synthetic budgets", disable=not progress):
+        run = dict(assistant_model=head, dart_node_budget=budget, **gen)
+        target.generate(ids, **{**run, "max_new_tokens": 8})  # warm-up at this tree size
+        sync_device(device)
+        start = time.perf_counter()
+        out = target.generate(ids, **run)  # untimed phases: the real wall time of a step
+        sync_device(device)
+        wall = time.perf_counter() - start
+        steps_plain = head.stats["steps"]
+        target.generate(ids, dart_timing=True, **run)  # synchronised phases: where the time goes
+        stats = head.stats
+        phase_ms = {p: 1e3 * stats["time"].get(p, 0.0) / max(stats["steps"], 1) for p in PHASES}
+        step_ms = sum(phase_ms.values())
+        wall_step_ms = 1e3 * (wall - stats["time"].get("prefill", 0.0)) / max(steps_plain, 1)
+        overhead = phase_ms["draft"] + phase_ms["tree"] + phase_ms["accept"]
+        rows.append({
+            "node_budget": budget,
+            "tree_tokens": budget + 1,
+            "step_ms_wall": wall_step_ms,
+            "step_ms_timed": step_ms,
+            "phase_ms": phase_ms,
+            "overhead_share": overhead / step_ms if step_ms else float("nan"),
+            "head_and_tree_share": (phase_ms["draft"] + phase_ms["tree"]) / step_ms if step_ms else float("nan"),
+            # the accepted length (tokens per step) at which DART only matches plain decoding
+            "break_even_accepted_length": wall_step_ms / plain_ms,
+            "projected_speedup_at_3.7": 3.7 * plain_ms / wall_step_ms,
+            "output_equal_to_plain": bool(torch.equal(out, plain_out)),
+        })
+    results = {
+        "meta": {**environment(target), "shape": shape, "build_seconds": build_s, "prompt_len": prompt_len,
+                 "new_tokens": new_tokens, "draft_length": draft_length, "draft_vocab_size": dv},
+        "verify_cost_ms": {str(n): 1e3 * s for n, s in zip(cost.sizes, cost.seconds)},
+        "plain_ms_per_token": plain_ms,
+        "budgets": rows,
+    }
+    if compiled:
+        results["compiled"] = _synthetic_compiled(target, head, ids, gen, budgets, plain_out, compile_backend,
+                                                  progress)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "synthetic.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "synthetic.md").write_text(synthetic_markdown(results))
+    return results
+
+
+def _timed_generate(target, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, float]:
+    """(output, wall seconds) of one `generate` call, with device syncs around it."""
+    sync_device(ids.device)
+    start = time.perf_counter()
+    out = target.generate(ids, **kwargs)
+    sync_device(ids.device)
+    return out, time.perf_counter() - start
+
+
+class TokenClock:
+    """A `generate` streamer that notes when each put reached the host (the prompt, then the new tokens one step at a
+    time): the decoding steps' time without the prefill."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        return None
+
+    def step_seconds(self) -> float:
+        """Mean seconds per decoding step: from the prefill's token to the last new token."""
+        new = self.times[1:]
+        return (new[-1] - new[0]) / max(len(new) - 1, 1)
+
+
+def _synthetic_compiled(target, head, ids: torch.Tensor, gen: dict, budgets, plain_out: torch.Tensor, backend: str,
+                        progress: bool) -> dict:
+    """Plain `generate` and DART per budget on a static cache with `torch.compile` (`compile_config`). Every compiled
+    call is first made once untimed (it compiles; its seconds are reported). The plain step is timed between the
+    first and the last new token reaching the host (`TokenClock`): its decoding steps without the (eager) prefill,
+    as DART's step leaves the prefill out."""
+    static = {**gen, "cache_implementation": "static", "compile_config": compile_config(ids.device, backend)}
+    _, plain_compile_s = _timed_generate(target, ids, **static)
+    clock = TokenClock()
+    out, seconds = _timed_generate(target, ids, streamer=clock, **static)
+    plain_step_ms = 1e3 * clock.step_seconds()
+    rows = [_synthetic_compiled_row(target, head, ids, {**static, "assistant_model": head, "dart_node_budget": b},
+                                    plain_step_ms, plain_out, split=b == max(budgets))
+            for b in tqdm(budgets, desc="synthetic compiled budgets", disable=not progress)]
+    return {"backend": backend, "plain_step_ms": plain_step_ms, "plain_ms_per_token": 1e3 * seconds
+            / (out.shape[1] - ids.shape[1]), "plain_first_call_seconds": plain_compile_s,
+            "plain_equal_to_eager": bool(torch.equal(out, plain_out)), "budgets": rows}
+
+
+def _synthetic_compiled_row(target, head, ids: torch.Tensor, run: dict, plain_step_ms: float,
+                            plain_out: torch.Tensor, split: bool) -> dict:
+    """One budget's compiled DART step: its wall time (the captured greedy step), then, with `split` (the largest
+    budget only: three more graphs to compile, minutes each on a large target), with `dart_timing=True` (its parts
+    captured and timed one by one: draft = head forward + tree search, verify, accept). Each variant's first call
+    compiles, untimed."""
+    _, first_s = _timed_generate(target, ids, **run)
+    out, wall = _timed_generate(target, ids, **run)
+    stats = head.stats
+    step_ms = 1e3 * (wall - stats.time.get("prefill", 0.0)) / max(stats.steps, 1)
+    phase_ms, timing_first_s = {p: float("nan") for p in ("draft", "verify", "accept")}, float("nan")
+    if split:
+        _, timing_first_s = _timed_generate(target, ids, dart_timing=True, **run)
+        _timed_generate(target, ids, dart_timing=True, **run)
+        timed = head.stats
+        phase_ms = {p: 1e3 * timed.time.get(p, 0.0) / max(timed.steps, 1) for p in ("draft", "verify", "accept")}
+    total = sum(phase_ms.values())
+    return {
+        "node_budget": run["dart_node_budget"],
+        "compiled": stats.compiled,
+        "static_reason": stats.static_reason,
+        "step_ms": step_ms,
+        "step_over_plain_compiled_step": step_ms / plain_step_ms,
+        "phase_ms": phase_ms,
+        "head_and_tree_share": phase_ms["draft"] / total if total else float("nan"),
+        "first_call_seconds": first_s,
+        "timing_first_call_seconds": timing_first_s,
+        "output_equal_to_plain": bool(torch.equal(out, plain_out)),
+    }
+
+
+def synthetic_markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        "# dart-hf bench --synthetic", "",
+        f"Random target of shape {meta['shape']} in {meta['dtype']} ({meta['attn_implementation']}) on "
+        f"{meta['device']}; prompt {meta['prompt_len']} tokens; {meta['new_tokens']} new tokens; torch "
+        f"{meta['torch']}, transformers {meta['transformers']}. Plain decoding: "
+        f"{results['plain_ms_per_token']:.2f} ms per token.", "",
+        "## Verify cost by tree size", "", "| tree tokens | ms | x one token |", "|---:|---:|---:|",
+    ]
+    one = results["verify_cost_ms"].get("1")
+    for n, ms in results["verify_cost_ms"].items():
+        lines.append(f"| {n} | {ms:.2f} | {fmt(ms / one if one else None)} |")
+    lines += ["", "## DART step by node budget (random head: about one token accepted per step)", "",
+              "| budget | step ms (wall) | " + " | ".join(PHASE_LABELS[p] + " ms" for p in PHASES)
+              + " | head + tree share | overhead share | break-even accepted length | speedup at 3.7 |",
+              "|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|---:|"]
+    for r in results["budgets"]:
+        phases = " | ".join(f"{r['phase_ms'][p]:.2f}" for p in PHASES)
+        lines.append(f"| {r['node_budget']} | {r['step_ms_wall']:.2f} | {phases} | "
+                     f"{100 * r['head_and_tree_share']:.0f}% | {100 * r['overhead_share']:.0f}% | "
+                     f"{r['break_even_accepted_length']:.2f} | {r['projected_speedup_at_3.7']:.2f}x |")
+    equal = all(r["output_equal_to_plain"] for r in results["budgets"])
+    lines += ["", f"Outputs equal to plain generate at every budget: {'yes' if equal else 'no'} "
+              "(random bf16 weights give near-tied logits; batched and one-token kernels may round differently).",
+              ""]
+    return "\n".join(lines + _synthetic_compiled_lines(results.get("compiled")))
+
+
+def _synthetic_compiled_lines(c: dict | None) -> list[str]:
+    """The static cache + torch.compile section of the synthetic report."""
+    if c is None:
+        return []
+    lines = [f"## Static cache + torch.compile ({c['backend']})", "",
+             f"Plain `generate`: {c['plain_step_ms']:.2f} ms per decoding step ({c['plain_ms_per_token']:.2f} ms per "
+             f"token with the prefill; first call {c['plain_first_call_seconds']:.1f} s; output equal to plain eager: "
+             f"{'yes' if c['plain_equal_to_eager'] else 'no'}).", ""]
+    by_budget = {r["node_budget"]: r for r in c["budgets"]}
+    headline = by_budget.get(60) or by_budget[max(by_budget)]
+    lines += [f"**{headline['node_budget']}-node DART compiled step / plain compiled step: "
+              f"{headline['step_over_plain_compiled_step']:.2f}** (the accepted length at which compiled DART only "
+              "matches compiled plain decoding).", "",
+              "| budget | step ms | / plain compiled step | draft (head + tree) ms | verify ms | accept ms | "
+              "head + tree share | first call s | equal to plain |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in c["budgets"]:
+        ph = r["phase_ms"]
+        equal = "yes" if r["output_equal_to_plain"] else "no"
+        note = "" if r["compiled"] else f" (not compiled: {r['static_reason']})"
+        lines.append(f"| {r['node_budget']}{note} | {r['step_ms']:.2f} | {r['step_over_plain_compiled_step']:.2f} | "
+                     f"{fmt(ph['draft'])} | {fmt(ph['verify'])} | {fmt(ph['accept'])} | "
+                     f"{fmt(100 * r['head_and_tree_share'], '.0f')}% | {r['first_call_seconds']:.1f} | {equal} |")
+    return lines + ["", "Step ms: the captured greedy step's wall time per step (prefill excluded); the split comes "
+                    "from a second run with `dart_timing=True` at the largest budget (the step's parts captured and "
+                    "timed one by one: three graphs, so their sum differs from the one-graph step). First call s: the "
+                    "untimed call that compiles.", ""]
+
+
+__all__ = ["QWEN3_8B_SHAPE", "TokenClock", "run_synthetic", "synthetic_markdown", "synthetic_target"]
