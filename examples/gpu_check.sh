@@ -11,8 +11,11 @@
 #    DART static cache + torch.compile at node budgets 1 7 60, the 60-node one also with dart_timing=True (draft =
 #    head + tree search / verify / accept), outputs compared with plain -> compiled DART step / compiled plain step
 #    (the 60-node ratio is the headline), head + tree share of a compiled step. Every compiled call compiles first
-#    (inductor, CUDA graphs): 7 compiles, ~5-8 min;
-# 4. the synthetic bench with flex_attention (first call compiles the kernel; ~2-3 min).
+#    (inductor; plain with CUDA graphs, the DART step without them until part 5 validates them): 7 compiles, ~5-8 min;
+# 4. the synthetic bench with flex_attention (first call compiles the kernel; ~2-3 min);
+# 5. the DART step under CUDA graphs (DART_HF_CUDA_GRAPHS=1, compile mode "reduce-overhead", what plain generate
+#    uses on CUDA), budget 7, outputs compared with plain: if this part gives a wrong token or crashes, the default
+#    (CUDA graphs off for the DART step, `static_step.compile_options`) must stay (~2-3 min).
 # Every part has its own timeout and writes what it has; a failing part does not stop the next one.
 # It needs no download (random targets) and runs from the source tree with the machine's own torch / transformers,
 # so it fits a device machine that cannot fetch anything. The real SmolLM2 target cannot travel to such a machine
@@ -86,5 +89,10 @@ echo "== 4. synthetic Qwen3-8B shape, bf16, flex_attention"
 timeout 240 python -m dart_hf_cli bench --synthetic --attn flex_attention --max-new-tokens 48 \
   --out "$OUT/synthetic_flex" > "$OUT/synthetic_flex.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_flex.log"
+
+echo "== 5. the DART step under CUDA graphs (reduce-overhead), synthetic Qwen3-8B shape, bf16, SDPA"
+DART_HF_CUDA_GRAPHS=1 timeout 300 python -m dart_hf_cli bench --synthetic --compiled --attn sdpa --budget 7 \
+  --max-new-tokens 48 --out "$OUT/synthetic_cudagraphs" > "$OUT/synthetic_cudagraphs.log" 2>&1
+rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_cudagraphs.log"
 
 exit $status

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import CompileConfig
 
 import dart_hf
@@ -115,13 +115,11 @@ def test_static_step_seeded_sampling_gives_plain_text():
 
 
 def test_calls_the_static_step_cannot_take_run_the_eager_loop_and_say_why(llama, llama_head):
-    # a batch
+    # a sampled batch
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
     stats = dart_hf.DartStats()
-    out = llama.generate(ids, assistant_model=llama_head, do_sample=False, max_new_tokens=12, dart_stats=stats,
-                         **STATIC)
-    assert torch.equal(out, llama.generate(ids, do_sample=False, max_new_tokens=12))
-    assert not stats.static and "one unpadded row" in stats.static_reason
+    llama.generate(ids, assistant_model=llama_head, do_sample=True, max_new_tokens=12, dart_stats=stats, **STATIC)
+    assert not stats.static and "sampled batches run the eager loop" in stats.static_reason
     # sliding-window layers
     target = sliding_target("mistral")
     head = make_head(target)
@@ -275,3 +273,105 @@ def test_past_dynamos_recompile_limit_the_step_runs_uncompiled_and_says_so(qwen3
                                   compile_config=compile_config(), dart_stats=stats)
             assert torch.equal(out, ref)
     assert stats.static and not stats.compiled and "refused another graph of greedy_step" in stats.static_reason
+
+
+def test_cuda_graphs_stay_off_for_the_dart_step_until_a_gpu_run_validates_them(monkeypatch):
+    """transformers' default compile mode on CUDA is "reduce-overhead" (CUDA graphs), never run on the DART step:
+    the step compiles without them and says so; DART_HF_CUDA_GRAPHS=1 opts in; other modes pass unchanged."""
+    options, reason = static_step.compile_options({"fullgraph": True, "mode": "reduce-overhead"})
+    assert options == {"fullgraph": True, "mode": None} and "CUDA graphs" in reason
+    assert static_step.compile_options({"mode": None}) == ({"mode": None}, None)
+    monkeypatch.setattr(static_step, "CUDA_GRAPHS", True)
+    assert static_step.compile_options({"mode": "reduce-overhead"}) == ({"mode": "reduce-overhead"}, None)
+
+
+# ------------------------------------------------------------------------------------------------ batches
+def left_padded(lengths, seed: int, vocab: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
+    from dart_hf.tools.bench_timing import left_pad
+
+    g = torch.Generator().manual_seed(seed)
+    return left_pad([torch.randint(3, vocab, (1, n), generator=g) for n in lengths], pad_id=2)
+
+
+@pytest.mark.parametrize("case", ["eos", "no eos", "max_length", "stop strings"])
+def test_a_left_padded_batch_takes_the_static_step_and_equals_plain_batched_generate(llama, llama_head, case):
+    """Every row of a greedy left-padded batch on the static step equals plain batched generate's: rows of different
+    padding finishing at different steps (EOS ids inside accepted paths, no EOS: rows decode to the longest stop,
+    max_length, stop strings)."""
+    kw = {"eos": dict(eos_token_id=[5, 9, 17], max_new_tokens=30), "no eos": dict(eos_token_id=None, max_new_tokens=30),
+          "max_length": dict(max_length=33), "stop strings": dict(max_new_tokens=30)}[case]
+    for seed in range(2):
+        ids, mask = left_padded((9, 3, 14, 6), seed=seed + 10)
+        if case == "stop strings":
+            stop = StoppingCriteriaList([StopAfter(5, ids.shape[1] + 4), StopAfter(11, ids.shape[1] + 2)])
+            kw = dict(max_new_tokens=30, stopping_criteria=stop)
+        ref = llama.generate(ids, attention_mask=mask, do_sample=False, **kw)
+        stats = dart_hf.DartStats()
+        out = llama.generate(ids, attention_mask=mask, assistant_model=llama_head, do_sample=False, dart_node_budget=6,
+                             dart_stats=stats, **kw, **STATIC)
+        assert stats.static and stats.static_reason is None
+        assert torch.equal(out, ref), (out, ref)
+        assert stats.mean_accepted_length > 1.0
+
+
+class StopAfter(StoppingCriteria):
+    """Stops a row once it holds `token` past position `start` (a criterion off the fast path, per row)."""
+
+    def __init__(self, token: int, start: int):
+        self.token, self.start = token, start
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return (input_ids[:, self.start :] == self.token).any(dim=1)
+
+
+def test_the_batched_static_step_is_captured_whole_reads_back_once_and_is_not_recaptured(qwen3, monkeypatch):
+    """A left-padded batch of 4 compiles with fullgraph=True, reads the device once per step, and over 20+ steps of
+    calls of nearby lengths (one bucket) captures no new graph."""
+    target, head = qwen3
+    config = compile_config()
+    ids, mask = left_padded((7, 3, 12, 5), seed=50)
+    kw = dict(attention_mask=mask, do_sample=False, dart_node_budget=4, cache_implementation="static",
+              compile_config=config)
+    stats = dart_hf.DartStats()
+    target.generate(ids, assistant_model=head, max_new_tokens=8, dart_stats=stats, **kw)
+    assert stats.compiled and stats.static
+    graphs, steps = counters["stats"]["unique_graphs"], 0
+    for seed, new in ((51, 30), (52, 36)):
+        ids, mask = left_padded((7, 3, 12, 5), seed=seed)
+        ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new)
+        out = target.generate(ids, assistant_model=head, max_new_tokens=new, dart_stats=stats,
+                              **{**kw, "attention_mask": mask})
+        assert torch.equal(out, ref)
+        steps += stats.steps
+    assert steps >= 20
+    assert counters["stats"]["unique_graphs"] == graphs, "a step was captured again (recompilation)"
+    reads, step = [], static_step.StaticStep.step  # (a torch function mode is another graph's context: after)
+
+    def counted(self, *args, **kwargs):
+        with HostSyncs() as mode:
+            result = step(self, *args, **kwargs)
+        reads.append(mode.reads)
+        return result
+
+    monkeypatch.setattr(static_step.StaticStep, "step", counted)
+    target.generate(ids, assistant_model=head, max_new_tokens=20, **{**kw, "attention_mask": mask})
+    assert len(reads) >= 3 and all(r == ["tolist"] for r in reads), reads[:3]
+
+
+def test_one_rounding_rule_sizes_every_buffer_of_a_step():
+    """Every fixed buffer (head keys/values, text, the target's cache) is sized from one bucket of max_length, so
+    max_lengths that share a bucket get the same shapes (one graph), and none falls between two roundings."""
+    from dart_hf.core.drafter import bucket
+
+    target = make_target("llama", max_position_embeddings=1024)
+    head = make_head(target)
+    ids = prompts(1, seed=3)[0]
+    shapes = {}
+    for max_length in (230, 240, 247, 256, 257):
+        config = GenerationConfig(max_length=max_length, do_sample=False, eos_token_id=None)
+        config._eos_token_tensor = None
+        step, reason = static_step.static_step(target, head, ids, None, config, 8, True, [0, 3, 5], True)
+        assert reason is None
+        shapes[max_length] = (step.cache.layers[0].max_cache_len, tuple(step.drafter.head_k.shape), tuple(step.drafter.text.shape))
+    assert bucket(240) == bucket(247) == bucket(256) == 256 and bucket(257) == 512
+    assert shapes[230] == shapes[240] == shapes[247] == shapes[256] != shapes[257]

@@ -161,12 +161,14 @@ def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig,
     static, reason = None, None
     if static_requested(config, model_kwargs):
         budget = budgets.fixed if budgets.policy is None else max(1, budgets.fixed)  # "auto": its current choice
-        static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids)
+        static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
+                                     accept.greedy and not keep)
     if static is not None:
         budgets.fix(static.nodes - 1)
         if not accept.greedy or keep:
-            static.reason = ("acceptance walks the tree eagerly between the captured draft / verify and commit "
-                             "(sampling, logits processors or returned scores)")
+            static.reason = "; ".join(filter(None, [static.reason, (
+                "acceptance walks the tree eagerly between the captured draft / verify and commit (sampling, logits "
+                "processors or returned scores)")]))
         return static
     drafter = DartDrafter(head, model, max_length=config.max_length, node_budget=budgets.fixed, prompt_lookup=lookup,
                           eos_token_ids=config._eos_token_tensor, rows=len(rows))

@@ -22,6 +22,7 @@ says why (`static_refusal`).
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ from .ragged import backend_mask, layer_windows
 from .target import target_forward
 from .tree import DraftTrees
 
+CUDA_GRAPHS = os.environ.get("DART_HF_CUDA_GRAPHS") == "1"  # opt in to CUDA graphs for the DART step (untested)
+
 
 def static_requested(generation_config: GenerationConfig, model_kwargs: dict) -> bool:
     """Whether the call asks for a static cache (`cache_implementation="static"`, or a `StaticCache` passed in)."""
@@ -44,12 +47,14 @@ def static_requested(generation_config: GenerationConfig, model_kwargs: dict) ->
 
 
 def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
-                   node_budget: int, tensor_parallel: bool) -> str | None:
+                   node_budget: int, tensor_parallel: bool, greedy: bool) -> str | None:
     """Why this call cannot take the static step (it then runs the eager loop, exactly), or None."""
     text = model.config.get_text_config(decoder=True)
     context = getattr(text, "max_position_embeddings", None)
-    if input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all())):
-        return "the static step decodes one unpadded row; batches run the eager loop"
+    batch = input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all()))
+    if batch and not greedy:
+        return ("the static step decodes a batch or padded rows greedily (no logits processors); sampled batches "
+                "run the eager loop")
     if any(w is not None for w in layer_windows(model.config)):
         return "sliding-window layers (the static step keeps one full-attention mask)"
     if context and generation_config.max_length > context:
@@ -66,23 +71,38 @@ def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_co
 
 
 def static_step(model, head: DartHead, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
-                node_budget: int, prompt_lookup: bool, aux_layer_ids: list[int]) -> tuple["StaticStep | None", str | None]:
+                node_budget: int, prompt_lookup: bool, aux_layer_ids: list[int],
+                greedy: bool) -> tuple["StaticStep | None", str | None]:
     """(the call's `StaticStep`, None), or (None, why the static step was refused: the call runs the eager step). The
     budget is fixed for the call; the step is compiled under transformers' own decision
     (`_valid_auto_compile_criteria`) with the call's `compile_config`."""
     reason = static_refusal(model, input_ids, attention_mask, generation_config, node_budget,
-                            tensor_parallel_group(model) is not None)
+                            tensor_parallel_group(model) is not None, greedy)
     if reason is not None:
         return None, reason
     max_length = generation_config.max_length
     depth = draft_depth(node_budget, max_length, head.config.num_predictions)
     drafter = DartDrafter(head, model, max_length=max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
-                          eos_token_ids=generation_config._eos_token_tensor, pending=depth + 1, full=True)
-    step = StaticStep(model, drafter, depth=depth, max_length=max_length, aux_layer_ids=aux_layer_ids)
+                          eos_token_ids=generation_config._eos_token_tensor, rows=input_ids.shape[0],
+                          pending=depth + 1, full=True)
+    lefts = torch.zeros(input_ids.shape[0], dtype=torch.long) if attention_mask is None else \
+        (attention_mask == 0).sum(dim=1).cpu()
+    step = StaticStep(model, drafter, depth=depth, max_length=max_length, aux_layer_ids=aux_layer_ids, lefts=lefts)
     if model._valid_auto_compile_criteria({"cache": step.cache}, generation_config):
         config = generation_config.compile_config or model._default_compile_config()
-        step.compile_options = config.to_dict()
+        step.compile_options, step.reason = compile_options(config.to_dict())
     return step, None
+
+
+def compile_options(options: dict) -> tuple[dict, str | None]:
+    """The call's torch.compile options for the DART step, and what was changed in them. CUDA graphs (mode
+    "reduce-overhead", transformers' default on CUDA) have not yet run the DART step on a GPU, whose in-place state
+    updates they would replay: until a GPU run validates them (`examples/gpu_check.sh` part 5) the step compiles
+    without them unless `DART_HF_CUDA_GRAPHS=1` is set; plain `generate` keeps its own."""
+    if options.get("mode") != "reduce-overhead" or CUDA_GRAPHS:
+        return options, None
+    return {**options, "mode": None}, ("CUDA graphs (compile mode 'reduce-overhead') are off for the DART step until a "
+                                       "GPU run validates them (DART_HF_CUDA_GRAPHS=1 turns them on)")
 
 
 @dataclass(frozen=True)
@@ -107,54 +127,75 @@ def draft_tree(drafter: DartDrafter, depth: int) -> DraftTrees:
     return drafter.search(drafter.forward(depth), fixed_size=True)
 
 
+@dataclass
+class Rows:
+    """The rows' fixed-shape bookkeeping on the device: left padding, the last position a node may take
+    (max_length - 1 - left: nodes past it are never kept, and a dynamic RoPE must not see a longer text than plain
+    decoding does), and which rows still decode (a finished row is masked: it accepts nothing more)."""
+
+    left: torch.Tensor
+    last_pos: torch.Tensor
+    alive: torch.Tensor
+
+    def committed(self, drafter: DartDrafter) -> torch.Tensor:
+        """[rows]: each row's committed cache slots end here (its text but the last token, the root, after its
+        padding)."""
+        return self.left + drafter.text_len - 1
+
+
 def verify(target, cache: StaticCache, drafter: DartDrafter, spec: StepSpec, tree: DraftTrees,
-           last_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's forward (`target_forward`) over the tree written into cache slots pos..pos+N-1, pos the tokens
-    committed (the text but its last token, the root): node i sees the committed slots and its ancestors' slots, at
-    positions no later than `last_pos` (max_length - 1: nodes past it are never kept, and a dynamic RoPE must not
-    see a longer text than plain decoding does). Returns (float logits [N, vocab], the layer states [N, 3H])."""
+           rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's forward (`target_forward`) over every row's tree, written into the cache slots P..P+N-1 after the
+    furthest row's text (P: the cache's length): node i of row r sees the row's committed slots (after its padding,
+    before its own end) and its ancestors' slots, at its row's position + depth (at most the row's `last_pos`).
+    Returns (float logits [rows, N, vocab], the layer states [rows, N, 3H])."""
     n, slots = tree.width, cache.layers[0].max_cache_len
-    pos = drafter.text_len[0] - 1
-    slot = torch.arange(slots, device=pos.device)
-    rel = slot - pos
-    in_tree = tree.ancestor_mask[0][:, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))
-    visible = (slot < pos) | in_tree
-    logits, aux = target_forward(target, tree.tokens, backend_mask(visible.unsqueeze(0), spec.attn, target.dtype),
-                                 torch.minimum(pos + tree.depths, last_pos), cache, list(spec.aux_ids))
-    return logits[0], aux[0]
+    end = rows.committed(drafter)
+    slot = torch.arange(slots, device=end.device)
+    rel = slot - cache.layers[0].cumulative_length
+    in_tree = tree.ancestor_mask[:, :, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))
+    committed = (slot >= rows.left.unsqueeze(1)) & (slot < end.unsqueeze(1))
+    positions = torch.minimum((end - rows.left).unsqueeze(1) + tree.depths, rows.last_pos.unsqueeze(1))
+    return target_forward(target, tree.tokens, backend_mask(committed.unsqueeze(1) | in_tree, spec.attn, target.dtype),
+                          positions, cache, list(spec.aux_ids))
 
 
-def commit(cache: StaticCache, drafter: DartDrafter, path: torch.Tensor, length: torch.Tensor, tokens: torch.Tensor,
-           aux: torch.Tensor) -> None:
-    """Keep the accepted path: its cache entries move to slots pos..pos+M-1 (those past `length` are overwritten
-    next step), the cache length becomes pos + length, its states and tokens go to the drafter (`append`)."""
-    pos = drafter.text_len[0] - 1
-    dst = pos + torch.arange(path.numel(), device=path.device)
-    src = pos + path
+def commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, paths: torch.Tensor, lengths: torch.Tensor,
+           tokens: torch.Tensor, aux: torch.Tensor) -> None:
+    """Keep each live row's accepted path: its cache entries move from the tree's slots to the row's own end (those
+    past its length are overwritten next step), the cache's length becomes the furthest live row's end, the paths'
+    states and tokens go to the drafter (`append`). paths / tokens [rows, M], lengths [rows]."""
+    lengths = lengths * rows.alive
+    end = rows.committed(drafter)
+    tree_start = cache.layers[0].cumulative_length - aux.shape[1]  # the verify appended the N tree nodes there
+    src = (tree_start + paths)[:, None, :, None]
+    dst = (end.unsqueeze(1) + torch.arange(paths.shape[1], device=paths.device))[:, None, :, None]
+    furthest = torch.where(rows.alive > 0, end + lengths, 0).max()
     for layer in cache.layers:
-        layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
-        layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
-        layer.cumulative_length.copy_(pos + length)
-    drafter.append(aux.index_select(0, path).unsqueeze(0), tokens.unsqueeze(0), length.view(1))
+        for t in (layer.keys, layer.values):
+            t.scatter_(2, dst.expand(-1, t.shape[1], -1, t.shape[3]),
+                       t.gather(2, src.expand(-1, t.shape[1], -1, t.shape[3])))
+        layer.cumulative_length.copy_(furthest)
+    drafter.append(aux.gather(1, paths.unsqueeze(2).expand(-1, -1, aux.shape[2])), tokens, lengths)
 
 
-def accept_commit(cache: StaticCache, drafter: DartDrafter, spec: StepSpec, tree: DraftTrees, logits: torch.Tensor,
-                  aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance (`greedy_paths` with M fixed slots: no host sync) and `commit`. Returns (length 0-d, tokens
-    [M]: the accepted draft tokens then the target's own, the first `length` real)."""
+def accept_commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, spec: StepSpec, tree: DraftTrees,
+                  logits: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance (`greedy_paths` with M fixed slots: no host sync) and `commit`. Returns (lengths [rows],
+    tokens [rows, M]: the accepted draft tokens then the target's own, the first lengths[r] real)."""
     predicted = logits.argmax(dim=-1)
-    paths, lengths = greedy_paths(tree, predicted.unsqueeze(0), spec.path_slots)
-    tokens = predicted[paths[0]]
-    commit(cache, drafter, paths[0], lengths[0], tokens, aux)
-    return lengths[0], tokens
+    paths, lengths = greedy_paths(tree, predicted, spec.path_slots)
+    tokens = predicted.gather(1, paths)
+    commit(cache, drafter, rows, paths, lengths, tokens, aux)
+    return lengths, tokens
 
 
-def greedy_step(target, cache: StaticCache, drafter: DartDrafter, spec: StepSpec,
-                last_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One whole greedy DART step, captured as one graph: `draft_tree`, `verify`, `accept_commit`."""
+def greedy_step(target, cache: StaticCache, drafter: DartDrafter, rows: Rows,
+                spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole greedy DART step of every row, captured as one graph: `draft_tree`, `verify`, `accept_commit`."""
     tree = draft_tree(drafter, spec.depth)
-    logits, aux = verify(target, cache, drafter, spec, tree, last_pos)
-    return accept_commit(cache, drafter, spec, tree, logits, aux)
+    logits, aux = verify(target, cache, drafter, spec, tree, rows)
+    return accept_commit(cache, drafter, rows, spec, tree, logits, aux)
 
 
 _COMPILED: dict = {}
@@ -180,17 +221,22 @@ class StaticStep:
 
     static = True
 
-    def __init__(self, target, drafter: DartDrafter, *, depth: int, max_length: int, aux_layer_ids: list[int]):
+    def __init__(self, target, drafter: DartDrafter, *, depth: int, max_length: int, aux_layer_ids: list[int],
+                 lefts: torch.Tensor):
         self.target, self.drafter = target, drafter
         self.spec = StepSpec(depth, tuple(aux_layer_ids), target.config._attn_implementation or "eager")
-        # the target's cache: every committed token plus one tree past them, sized by the one rounding rule
-        # (`drafter.bucket`), so that calls of nearby lengths share one compiled graph (generate's own cache of
-        # max_length slots would recompile for every prompt length)
-        self.cache = StaticCache(config=target.config, max_cache_len=bucket(max_length) + self.nodes)
-        self.last_pos = torch.tensor(max_length - 1, device=drafter.device)
+        # the target's cache: every committed token plus one tree past the furthest row and a path of slack for a
+        # row that finishes past max_length, sized by the one rounding rule (`drafter.bucket`), so that calls of
+        # nearby lengths share one compiled graph (generate's own cache of max_length slots would recompile for
+        # every prompt length)
+        self.cache = StaticCache(config=target.config, max_cache_len=bucket(max_length) + self.nodes
+                                 + 2 * self.spec.path_slots)
+        left = lefts.to(drafter.device)
+        self.rows = Rows(left, max_length - 1 - left, torch.ones_like(left))
+        self.active = list(range(left.numel()))  # the caller's active rows, as indices into this step's rows
         self.compile_options: dict | None = None  # torch.compile options (None: the static step runs eagerly)
         self.reason: str | None = None  # what of the step runs outside the captured graph, or why it stopped being
-        for t in [*drafter.tensors(), self.last_pos]:  # updated in place every step: fixed addresses (CUDA graphs)
+        for t in [*drafter.tensors(), *vars(self.rows).values()]:  # updated in place: fixed addresses (CUDA graphs)
             torch._dynamo.mark_static_address(t)
 
     @property
@@ -216,27 +262,40 @@ class StaticStep:
         `dart_timing` its three parts are captured and timed one by one (phases draft = head + tree search, verify,
         accept). Sampling or processors: the captured draft and verify, the call's acceptance walk (eager), the
         captured `commit`."""
-        run, drafter, spec = self._run, self.drafter, self.spec
+        run, drafter, spec, rows = self._run, self.drafter, self.spec, self.rows
         if accept.greedy and not timer.requested:
             with timer.phase("step"):
-                return None, _host_result(*run(greedy_step, self.target, self.cache, drafter, spec, self.last_pos))
+                return None, self._host_result(*run(greedy_step, self.target, self.cache, drafter, rows, spec))
         with timer.phase("draft"):
             tree = run(draft_tree, drafter, spec.depth)
         with timer.phase("verify"):
-            logits, aux = run(verify, self.target, self.cache, drafter, spec, tree, self.last_pos)
+            logits, aux = run(verify, self.target, self.cache, drafter, spec, tree, rows)
         with timer.phase("accept"):
             if accept.greedy:
-                return tree, _host_result(*run(accept_commit, self.cache, drafter, spec, tree, logits, aux))
-            step = accept(tree, logits.unsqueeze(0), active)
+                return tree, self._host_result(*run(accept_commit, self.cache, drafter, rows, spec, tree, logits,
+                                                    aux))
+            step = accept(tree, logits, active)  # one row (`static_refusal`)
             m, n = spec.path_slots, int(step.lengths[0])
-            pad = lambda t: torch.cat([t, t[-1:].expand(m - n, *t.shape[1:])])
-            run(commit, self.cache, drafter, pad(step.paths[0]), torch.tensor(n, device=step.paths.device),
-                pad(step.tokens[0]), aux)
+            pad = lambda t: torch.cat([t, t[:, -1:].expand(-1, m - n, *t.shape[2:])], dim=1)
+            run(commit, self.cache, drafter, rows, pad(step.paths), step.lengths.to(aux.device), pad(step.tokens),
+                aux)
         step.lengths = step.lengths.cpu()
         return tree, step
 
     def retire(self, keep: list[int]) -> None:
-        """One row: when it is done, the call is."""
+        """Rows that finished stay in the step's fixed shapes, masked: they accept nothing more."""
+        if len(keep) == len(self.active):
+            return
+        self.active = [self.active[i] for i in keep]
+        alive = torch.zeros_like(self.rows.alive, device="cpu")
+        alive[self.active] = 1
+        self.rows.alive.copy_(alive)
+
+    def _host_result(self, lengths: torch.Tensor, tokens: torch.Tensor) -> BatchAccepted:
+        """The greedy step's result for the active rows, on the host, read back in ONE copy: lengths then tokens."""
+        host = torch.tensor(torch.cat([lengths.unsqueeze(1), tokens], dim=1).tolist())[self.active]
+        return BatchAccepted(paths=torch.zeros(len(self.active), 1, dtype=torch.long), lengths=host[:, 0],
+                             tokens=host[:, 1:])
 
     def _run(self, fn, *args):
         """`fn` compiled (the call's options), or uncompiled once torch.compile refused to capture it again: dynamo
@@ -251,10 +310,3 @@ class StaticStep:
                 self.reason = (f"torch.compile refused another graph of {fn.__name__} in this process ({err}); "
                                "the static step ran uncompiled from there")
         return fn(*args)
-
-
-def _host_result(length: torch.Tensor, tokens: torch.Tensor) -> BatchAccepted:
-    """The greedy step's result on the host, read back in one copy: length then tokens."""
-    host = torch.cat([length.view(1), tokens]).tolist()
-    return BatchAccepted(paths=torch.zeros(1, 1, dtype=torch.long), lengths=torch.tensor(host[:1]),
-                         tokens=torch.tensor(host[1:], dtype=torch.long).unsqueeze(0))
