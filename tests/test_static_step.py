@@ -233,6 +233,27 @@ def test_dart_timing_captures_the_parts_and_times_them(qwen3):
 
 # ------------------------------------------------------------------------------------------------ the real target
 @pytest.mark.slow
+def test_batched_compiled_step_on_smollm2_equals_plain_batched_generate():
+    """SmolLM2-135M with the shipped head, a left-padded batch of 4 chat prompts (code and chat), inductor: every row
+    equals plain batched `generate`, eager and static-cache compiled."""
+    from dart_hf.tools.assets import eval_prompts, load_target, shipped_head
+    from dart_hf.tools.bench_timing import left_pad
+
+    target, tok = load_target("smollm2-135m-instruct")
+    head = dart_hf.DartHead.from_pretrained(shipped_head()).eval()
+    ids, mask = left_pad(eval_prompts(tok, "humaneval", 2) + eval_prompts(tok, "sharegpt", 2), tok.pad_token_id)
+    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=40)
+    ref = target.generate(ids, **kw)
+    config = compile_config("inductor")
+    assert torch.equal(target.generate(ids, cache_implementation="static", compile_config=config, **kw), ref)
+    stats = dart_hf.DartStats()
+    out = target.generate(ids, assistant_model=head, dart_node_budget=4, cache_implementation="static",
+                          compile_config=config, dart_stats=stats, **kw)
+    assert stats.compiled and stats.static and torch.equal(out, ref)
+    assert stats.steps < 0.8 * (out.shape[1] - ids.shape[1])  # fewer steps than plain batched decoding: drafts accepted
+
+
+@pytest.mark.slow
 def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
     """SmolLM2-135M with the shipped head, inductor: greedy token for token as plain eager `generate` and plain
     static-cache compiled `generate`; seeded sampling through the captured draft / verify gives plain's text."""

@@ -107,7 +107,8 @@ def run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, 
     """The single-row bench: every method on every prompt, `runs` interleaved passes."""
     max_new_tokens = gen["max_new_tokens"]
     with CompetingLoad(load) if load else _no_load():
-        compile_seconds = _compile_warmup(target, head, prompts, [m for m in methods if m.compiled], gen, progress)
+        calls = [(ids, torch.ones_like(ids)) for ps in prompts.values() for ids in ps]
+        compile_seconds = _compile_warmup(target, head, calls, [m for m in methods if m.compiled], gen, progress)
         if warmup:
             first = next(p for ps in prompts.values() for p in ps).to(target.device)
             for m in methods:
@@ -131,21 +132,22 @@ def run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, 
     }
 
 
-def _compile_warmup(target, head, prompts: dict, methods: list[Method], gen: dict, progress: bool) -> dict:
-    """Each compiled method once on every prompt, untimed, at the bench's full length, longest prompt first
-    (transformers sizes a static cache for the longest call so far, so the shorter prompts then reuse its graph;
-    DART's caches are rounded up to 256 slots): every graph the timed calls run is compiled here. Returns
-    {method: {"seconds": all its warm-up calls, "first_call_seconds", "calls"}} (these seconds are not in the
-    timed tokens/s)."""
-    order = sorted((p for ps in prompts.values() for p in ps), key=lambda p: -p.shape[-1])
+def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]], methods: list[Method], gen: dict,
+                    progress: bool) -> dict:
+    """Each compiled method once on every call the timed passes make (`calls`: (ids, attention mask), a prompt or a
+    left-padded batch), untimed, at the bench's full length, longest first (transformers sizes a static cache for the
+    longest call so far, so the shorter ones then reuse its graph; DART's buffers are sized by a bucket of 256
+    slots): every graph the timed calls run is compiled here. Returns {method: {"seconds": all its warm-up calls,
+    "first_call_seconds", "calls"}} (these seconds are not in the timed tokens/s)."""
+    order = sorted(calls, key=lambda call: -call[0].shape[-1])
     out = {}
     for m in methods:
         times = []
-        for ids in tqdm(order, desc=f"compile {m.name}", unit="prompt", disable=not progress):
-            ids = ids.to(target.device)
+        for ids, mask in tqdm(order, desc=f"compile {m.name}", unit="call", disable=not progress):
+            ids, mask = ids.to(target.device), mask.to(target.device)
             sync_device(ids.device)
             start = time.perf_counter()
-            m.run(target, head, ids, attention_mask=torch.ones_like(ids), **gen)
+            m.run(target, head, ids, attention_mask=mask, **gen)
             sync_device(ids.device)
             times.append(time.perf_counter() - start)
         out[m.name] = {"seconds": sum(times), "first_call_seconds": times[0], "calls": len(times)}
@@ -274,8 +276,9 @@ def run_batched(target, head, prompts, methods, gen, batch_sizes, warmup, progre
     groups = {ds: {b: [list(range(i, min(i + b, len(ps)))) for i in range(0, len(ps), b)] for b in batch_sizes}
               for ds, ps in prompts.items()}
     with CompetingLoad(load) if load else _no_load():
-        compile_seconds = _compile_warmup(target, head, prompts, [m for m in per_size.get(1, []) if m.compiled],
-                                          gen, progress)
+        calls = [left_pad([ps[r] for r in rows], pad_id) for ds, ps in prompts.items() for b in batch_sizes
+                 for rows in groups[ds][b]]
+        compile_seconds = _compile_warmup(target, head, calls, [m for m in methods if m.compiled], gen, progress)
         if warmup:
             ps = next(iter(prompts.values()))
             for b in batch_sizes:
