@@ -294,7 +294,9 @@ def test_streamer_gets_the_columns_plain_generate_gives(llama_ngram, eos):
     assert out_stream.ended and out_stream.chunks == ref_stream.chunks
 
 
-def test_stop_strings_per_row():
+@pytest.mark.parametrize("static", [False, True])
+def test_stop_strings_per_row(static):
+    """Stop strings end each row where plain batched generate ends it, on the eager and on the static step."""
     from conftest import stop_word_tokenizer
 
     tok = stop_word_tokenizer()
@@ -306,7 +308,10 @@ def test_stop_strings_per_row():
     stops = [tok.convert_ids_to_tokens(int(free[0, 8])), tok.convert_ids_to_tokens(int(free[2, 3]))]
     kw = dict(do_sample=False, max_new_tokens=30, stop_strings=stops, tokenizer=tok)
     ref = target.generate(**enc, **kw)
-    assert torch.equal(target.generate(**enc, assistant_model=head, **kw), ref)
+    stats = DartStats()
+    extra = dict(cache_implementation="static", disable_compile=True) if static else {}
+    assert torch.equal(target.generate(**enc, assistant_model=head, dart_stats=stats, **kw, **extra), ref)
+    assert stats.static == static
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -314,16 +314,16 @@ def left_padded(lengths, seed: int, vocab: int = 96) -> tuple[torch.Tensor, torc
     return left_pad([torch.randint(3, vocab, (1, n), generator=g) for n in lengths], pad_id=2)
 
 
-@pytest.mark.parametrize("case", ["eos", "no eos", "max_length", "stop strings"])
+@pytest.mark.parametrize("case", ["eos", "no eos", "max_length", "stopping criteria"])
 def test_a_left_padded_batch_takes_the_static_step_and_equals_plain_batched_generate(llama, llama_head, case):
     """Every row of a greedy left-padded batch on the static step equals plain batched generate's: rows of different
     padding finishing at different steps (EOS ids inside accepted paths, no EOS: rows decode to the longest stop,
-    max_length, stop strings)."""
+    max_length, custom stopping criteria per row; stop strings: tests/test_batch.py)."""
     kw = {"eos": dict(eos_token_id=[5, 9, 17], max_new_tokens=30), "no eos": dict(eos_token_id=None, max_new_tokens=30),
-          "max_length": dict(max_length=33), "stop strings": dict(max_new_tokens=30)}[case]
+          "max_length": dict(max_length=33), "stopping criteria": dict(max_new_tokens=30)}[case]
     for seed in range(2):
         ids, mask = left_padded((9, 3, 14, 6), seed=seed + 10)
-        if case == "stop strings":
+        if case == "stopping criteria":
             stop = StoppingCriteriaList([StopAfter(5, ids.shape[1] + 4), StopAfter(11, ids.shape[1] + 2)])
             kw = dict(max_new_tokens=30, stopping_criteria=stop)
         ref = llama.generate(ids, attention_mask=mask, do_sample=False, **kw)
