@@ -338,9 +338,8 @@ def _warn_no_curve(key: dict, device_type: str) -> None:
     fixed = BudgetKnobs.no_curve_budget if device_type == "cpu" else BudgetKnobs.no_curve_budget_gpu
     where, command = key["device_name"], "dart-hf calibrate <target folder or name>"
     if device_type == "cpu":  # a CPU curve serves one thread count (`cost_key`)
-        threads = torch.get_num_threads()
-        where += f" at {threads} torch thread(s) (a curve serves one thread count)"
-        command += f" --threads {threads}"
+        where += " (a CPU curve serves one torch thread count)"
+        command += f" --threads {torch.get_num_threads()}"
     fit = "to fit the tree size to this device" + (" and thread count" if device_type == "cpu" else "")
     action = (f"run `{command}` once {fit}" if (__package__ or "").startswith("dart_hf") else
               f"with dart_hf installed, `{command}` fits the tree size to this device")
