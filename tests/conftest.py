@@ -74,6 +74,21 @@ def scripted_budgets(target, head, script: list[int], prompt_lookup: bool | None
     return state, state.policies[key]
 
 
+def word_llama():
+    """A tiny Llama over `make_word_tokenizer`'s vocabulary."""
+    return make_target("llama", vocab_size=len(make_word_tokenizer()))
+
+
+@pytest.fixture()
+def target_folder(tmp_path):
+    """A tiny Llama over the word tokenizer's vocabulary, saved with the tokenizer (chat template included): a target
+    folder the CLI commands take."""
+    folder = tmp_path / "tiny-target"
+    word_llama().save_pretrained(folder)
+    make_word_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def make_target(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
     torch.manual_seed(seed)
     cfg = CONFIGS[arch](**{**TINY, **overrides})

@@ -23,7 +23,6 @@ import re
 import site
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import huggingface_hub
@@ -33,7 +32,7 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from transformers import pipeline
 
 import dart_hf
-from conftest import make_head, make_target, make_word_tokenizer, prompts
+from conftest import make_head, make_word_tokenizer, prompts, word_llama
 from dart_hf.tools import calibrate as calibration
 from dart_hf.tools import demo
 from dart_hf_cli import main as cli
@@ -53,19 +52,6 @@ def threads():
     torch.set_num_threads(2)
     yield 2
     torch.set_num_threads(before)
-
-
-def word_llama():
-    return make_target("llama", vocab_size=len(make_word_tokenizer()))
-
-
-@pytest.fixture()
-def target_folder(tmp_path) -> Path:
-    """A tiny Llama over the word tokenizer's vocabulary, saved with the tokenizer (chat template included)."""
-    folder = tmp_path / "tiny-target"
-    word_llama().save_pretrained(folder)
-    make_word_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture()

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_head, make_target, make_word_tokenizer
+from conftest import make_head, make_target, word_llama
 from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf.tools import calibrate as calibration
 from dart_hf.tools import demo
@@ -33,19 +32,6 @@ from dart_hf_cli import main as cli
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
-
-
-def word_llama():
-    return make_target("llama", vocab_size=len(make_word_tokenizer()))
-
-
-@pytest.fixture()
-def target_folder(tmp_path) -> Path:
-    """A tiny Llama over the word tokenizer's vocabulary, saved with the tokenizer (chat template included)."""
-    folder = tmp_path / "tiny-target"
-    word_llama().save_pretrained(folder)
-    make_word_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def fake_measurements(monkeypatch, seconds, probe=(0.010, 0.010)):

@@ -85,9 +85,7 @@ def static_step(model, head: DartHead, input_ids: torch.Tensor, attention_mask, 
     drafter = DartDrafter(head, model, max_length=max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
                           eos_token_ids=generation_config._eos_token_tensor, rows=input_ids.shape[0],
                           pending=depth + 1, full=True)
-    lefts = torch.zeros(input_ids.shape[0], dtype=torch.long) if attention_mask is None else \
-        (attention_mask == 0).sum(dim=1).cpu()
-    step = StaticStep(model, drafter, depth=depth, max_length=max_length, aux_layer_ids=aux_layer_ids, lefts=lefts)
+    step = StaticStep(model, drafter, depth=depth, max_length=max_length, aux_layer_ids=aux_layer_ids)
     if model._valid_auto_compile_criteria({"cache": step.cache}, generation_config):
         config = generation_config.compile_config or model._default_compile_config()
         step.compile_options, step.reason = compile_options(config.to_dict())
@@ -221,8 +219,7 @@ class StaticStep:
 
     static = True
 
-    def __init__(self, target, drafter: DartDrafter, *, depth: int, max_length: int, aux_layer_ids: list[int],
-                 lefts: torch.Tensor):
+    def __init__(self, target, drafter: DartDrafter, *, depth: int, max_length: int, aux_layer_ids: list[int]):
         self.target, self.drafter = target, drafter
         self.spec = StepSpec(depth, tuple(aux_layer_ids), target.config._attn_implementation or "eager")
         # the target's cache: every committed token plus one tree past the furthest row and a path of slack for a
@@ -231,7 +228,7 @@ class StaticStep:
         # every prompt length)
         self.cache = StaticCache(config=target.config, max_cache_len=bucket(max_length) + self.nodes
                                  + 2 * self.spec.path_slots)
-        left = lefts.to(drafter.device)
+        left = torch.zeros_like(drafter.text_len)  # each row's left padding: set by `start`
         self.rows = Rows(left, max_length - 1 - left, torch.ones_like(left))
         self.active = list(range(left.numel()))  # the caller's active rows, as indices into this step's rows
         self.compile_options: dict | None = None  # torch.compile options (None: the static step runs eagerly)
@@ -252,8 +249,12 @@ class StaticStep:
         return self.cache
 
     def start(self, input_ids: torch.Tensor, lefts: list[int], aux: torch.Tensor, first: torch.Tensor) -> None:
-        """After the prefill (eager): the prompt's states and first token to the drafter."""
+        """After the prefill (eager): the prompt's states and first token to the drafter, each row's left padding to
+        the step's rows."""
         self.drafter.start(input_ids, lefts, aux, first)
+        left = torch.tensor(lefts, device=self.rows.left.device)
+        self.rows.last_pos.sub_(left)
+        self.rows.left.copy_(left)
 
     def step(self, budget: int, max_new: list[int], accept: StepAcceptance, active: list[int],
              timer) -> tuple[DraftTrees | None, BatchAccepted]:
