@@ -68,10 +68,12 @@ def scripted_budgets(target, head, script: list[int], prompt_lookup: bool | None
 
     state = BudgetState()
     lookup = head.config.prompt_lookup if prompt_lookup is None else prompt_lookup
-    state.policy(target, lookup)  # the key the call will look up
-    key = next(iter(state.policies))
-    state.policies[key] = Scripted()
-    return state, state.policies[key]
+    scripted = Scripted()
+    for sampled in (False, True):  # the keys a greedy and a sampled call look up
+        state.policy(target, lookup, sampled)
+    for key in state.policies:
+        state.policies[key] = scripted
+    return state, scripted
 
 
 def word_llama():

@@ -1,19 +1,25 @@
-"""Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Both rules are lossless; `StepAcceptance`
-is the call's choice between them, the one acceptance both step backends run.
+"""Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Every rule is lossless, and one
+`StepAcceptance` per call picks among them for both step backends:
 
-- `accept_greedy_batch`: no logits processors, greedy. Vectorised over every row's whole tree: a node is accepted
+- `accept_greedy_batch`: greedy without logits processors. Vectorised over every row's whole tree: a node is accepted
   when its token equals the target's argmax at every ancestor; the deepest accepted node ends the path.
-- `accept_walk`: the general rule, for sampling and for greedy with processors (repetition penalty,
-  min-length, ...). It walks from the root and applies the user's processors at each visited node with that
-  node's exact context, as plain `generate` would. At each node it picks the target's own next token x exactly
-  as plain `generate` does (argmax, or softmax + one `torch.multinomial` draw); when a child carries x the walk
-  descends, else x is the bonus token and the step ends.
+- `accept_depthwise`: sampling, or greedy with the processors `generate` builds from a generation config
+  (temperature, top-k, top-p, min-p, repetition penalty: `DEVICE_PROCESSORS`). On the device, for every row at once:
+  one pass per depth applies the processors to the logits of the node each row stands on, with that node's own
+  context, picks the target's token there (`next_tokens`) and descends to the child that carries it. Fixed shapes,
+  no host read: the static step captures it inside its graph.
+- `accept_walk`: any other processor (custom ones, SynthID, ...). The same rule, one row at a time, with the row as
+  plain `generate` shows it (`RowProcessor`): one host read per visited node.
 
-Why this sampling rule: it is ancestral sampling from the target, so every token is distributed exactly as the
-target's processed distribution whatever the tree; a drafted child is accepted with probability p(child), the
-same as the spec's child-by-child rejection walk; and it draws one multinomial per emitted token, like plain
-`generate`. The random stream therefore no longer depends on the tree (its size, the node budget, the head): the
-same seed and inputs give the same text on every call.
+Sampling: at each visited node the target's token is drawn from its processed distribution, and the walk descends
+when a child carries it (ancestral sampling from the target: every token follows the target's distribution
+exactly whatever the tree; a drafted child is accepted with probability p(child), as the spec's child-by-child
+rejection walk). The draw is Gumbel-max with noise that is a function of (the row's seed, the token's position in
+the row, the vocabulary entry) (`sampling_noise`): the token at a position does not depend on the tree, the node
+budget, the backend or which pass drew it, so a seed gives the same text at every budget (0: plain decoding),
+eagerly or compiled. A call draws its rows' seeds from torch's generator once, before the prefill
+(`StepAcceptance.start`); plain `generate` draws one `torch.multinomial` per token instead, so the same seed gives
+another (equally distributed) text than plain `generate`, and leaves torch's generator elsewhere.
 """
 
 from __future__ import annotations
@@ -22,9 +28,22 @@ from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from .rows import RowProcessor, Rows, RowStreams
+from .rows import RowProcessor, Rows
 from .tree import DraftTree, DraftTrees
+
+# the processors `accept_depthwise` runs on a batch of nodes as plain `generate` runs them on a row: each depends on
+# the scores alone, or (repetition penalty) on the set of tokens of the row, where the batch layout cannot matter
+DEVICE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+                     RepetitionPenaltyLogitsProcessor)
+_U32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -38,11 +57,34 @@ class Accepted:
     logits: torch.Tensor | None = None
 
 
-def _next_token(processed: torch.Tensor, do_sample: bool, generator: torch.Generator | None) -> torch.Tensor:
-    """The target's token after scores `processed` [1, vocab], chosen as `GenerationMixin._sample` chooses it."""
-    if not do_sample:
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding values below 2**32: both multipliers
+    are below 2**31, so no product overflows int64 on any device or compiler."""
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _U32
+    h = h ^ (h >> 15)
+    h = (h * 0x5BD1E995) & _U32
+    return h ^ (h >> 16)
+
+
+def sampling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [rows, vocab] for drawing the token at `positions` [rows] of rows seeded `seeds` [rows]: a hash of
+    (seed, position, vocabulary entry) made uniform on (0, 1) at 24 bits (exact in float32, never 0 or 1). Being a
+    function of the position, not of a generator's state, it is the same whichever pass, tree or backend draws
+    that token, and the static step captures it."""
+    key = _mix(_mix(seeds & _U32) ^ positions)
+    entry = (torch.arange(vocab, device=seeds.device) * 0x27D4EB2F) & _U32
+    h = _mix(_mix(key.unsqueeze(1) ^ entry) ^ key.unsqueeze(1))
+    u = ((h >> 8).float() + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+def next_tokens(processed: torch.Tensor, seeds: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+    """The target's tokens [rows] after processed scores [rows, vocab]: the argmax (greedy: seeds None, as
+    `GenerationMixin._sample`), or a draw from softmax(processed) by Gumbel-max with `sampling_noise`."""
+    if seeds is None:
         return processed.argmax(dim=-1)
-    return torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1, generator=generator).squeeze(1)
+    return (processed.float() + sampling_noise(seeds, positions, processed.shape[-1])).argmax(dim=-1)
 
 
 def accept_walk(
@@ -50,11 +92,12 @@ def accept_walk(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
     logits_processor: LogitsProcessorList,
-    do_sample: bool,
-    generator: torch.Generator | None = None,
+    seed: torch.Tensor | None,
+    position: int,
 ) -> Accepted:
-    """Walk the tree applying `logits_processor` with each visited node's own context (input_ids + path).
-    One host sync per visited node (does a child carry the chosen token?)."""
+    """Walk the tree applying `logits_processor` with each visited node's own context (input_ids + path), choosing
+    the target's token with `next_tokens` (seed [1], or None: greedy; `position`: the root's next token's index in
+    the row's text). One host sync per visited node (does a child carry the chosen token?)."""
     tokens, parents = tree.tokens, tree.parents
     is_child = torch.ones_like(parents, dtype=torch.bool)
     is_child[0] = False
@@ -63,7 +106,7 @@ def accept_walk(
         context = torch.cat([input_ids, tokens[path[1:]].unsqueeze(0).to(input_ids.device)], dim=1)
         processed = logits_processor(context, logits[node : node + 1].clone())
         scores.append(processed[0])
-        chosen = _next_token(processed, do_sample, generator)
+        chosen = next_tokens(processed, seed, torch.full_like(tokens[:1], position + len(new_tokens)))
         new_tokens.append(chosen)
         hit = ((parents == node) & is_child & (tokens == chosen)).nonzero()
         if not hit.numel():
@@ -77,6 +120,40 @@ def accept_walk(
         scores=torch.stack(scores),
         logits=logits[path_t],
     )
+
+
+def accept_depthwise(trees: DraftTrees, logits: torch.Tensor, m: int, processors: LogitsProcessorList,
+                     context: torch.Tensor | None, seeds: torch.Tensor | None, positions: torch.Tensor,
+                     keep_scores: bool = False) -> "BatchAccepted":
+    """The walk for every row at once, on the device (logits [rows, N, V], m: path slots, at least the trees' depth
+    + 1): at depth d each row's current node gets the processors (`context` [rows, C]: the row's tokens, padded with
+    V; the path so far is appended), the target's token (`next_tokens` at `positions` + d) and the child carrying it,
+    if any. Past a row's path its last node repeats (the work of a depth no row reaches is spent anyway: fixed
+    shapes, no host read)."""
+    rows, n, vocab = logits.shape
+    child = trees.real & (torch.arange(n, device=logits.device) > 0)
+    node = torch.zeros(rows, dtype=torch.long, device=logits.device)
+    going = torch.ones(rows, dtype=torch.bool, device=logits.device)
+    lengths = torch.zeros_like(node)
+    paths, tokens, scores, raw = [], [], [], []
+    for d in range(m):
+        row_logits = logits.gather(1, node.view(-1, 1, 1).expand(-1, 1, vocab)).squeeze(1)
+        processed = row_logits
+        if len(processors):
+            ids = positions.view(-1, 1)[:, :0] if context is None else torch.cat([context, *tokens], dim=1)
+            processed = processors(ids, row_logits.clone())
+        chosen = next_tokens(processed, seeds, positions + d)
+        paths.append(node)
+        tokens.append(chosen.unsqueeze(1))
+        lengths = lengths + going
+        if keep_scores:
+            scores.append(processed)
+            raw.append(row_logits)
+        hit = child & (trees.parents == node.unsqueeze(1)) & (trees.tokens == chosen.unsqueeze(1))
+        going = going & hit.any(dim=1)
+        node = torch.where(going, hit.long().argmax(dim=1), node)
+    stack = lambda ts: torch.stack(ts, dim=1) if keep_scores else None
+    return BatchAccepted(torch.stack(paths, dim=1), lengths, torch.cat(tokens, dim=1), stack(scores), stack(raw))
 
 
 @dataclass
@@ -132,26 +209,75 @@ def accept_greedy_batch(trees: DraftTrees, logits: torch.Tensor, keep_scores: bo
     return BatchAccepted(paths, lengths, tokens, rows, rows)
 
 
+def on_device(processors: LogitsProcessorList, lefts: list[int]) -> bool:
+    """Whether `accept_depthwise` runs these processors exactly: all of `DEVICE_PROCESSORS`, a repetition penalty
+    only ignoring what `generate` makes it ignore (each row's left padding, or nothing)."""
+    for p in processors:
+        if not isinstance(p, DEVICE_PROCESSORS):
+            return False
+        ignore = getattr(p, "prompt_ignore_length", None)
+        if ignore is not None and (isinstance(ignore, int) or ignore.tolist() != lefts):
+            return False
+    return True
+
+
 class StepAcceptance:
-    """The acceptance of a call's steps, for the eager and the static step alike: greedy without processors
-    (`accept_greedy_batch`, vectorised over rows), else the walk per row with the call's processors, each row seeing
-    itself as plain `generate` shows it (`RowProcessor`); a sampled batch draws each row from its own stream
-    (`RowStreams`), so its text does not depend on the trees the budget picks."""
+    """The acceptance of a call's steps, for the eager and the static step alike (`mode`): "greedy" without
+    processors (`accept_greedy_batch`), "device" for sampling and the config's processors (`accept_depthwise`), else
+    "walk" (`accept_walk` per row, each row seeing itself as plain `generate` shows it: `RowProcessor`). Sampling draws
+    with the rows' seeds (`start`), so a row's text does not depend on the trees the budget picks."""
 
     def __init__(self, logits_processor: LogitsProcessorList, do_sample: bool, rows: Rows, keep_scores: bool,
                  device: torch.device):
         self.processors, self.do_sample, self.rows, self.keep_scores = logits_processor, do_sample, rows, keep_scores
-        self.greedy = not do_sample and len(logits_processor) == 0
-        self.streams = RowStreams(len(rows), device) if do_sample and len(rows) > 1 else None
+        self.device = device
+        if not do_sample and len(logits_processor) == 0:
+            self.mode = "greedy"
+        else:
+            self.mode = "device" if on_device(logits_processor, rows.lefts) else "walk"
+        self.greedy = self.mode == "greedy"
+        self.needs_context = any(isinstance(p, RepetitionPenaltyLogitsProcessor) for p in logits_processor)
+        # on the device a row's context is its text without padding: a repetition penalty has nothing to ignore
+        self.device_processors = LogitsProcessorList([
+            RepetitionPenaltyLogitsProcessor(p.penalty) if isinstance(p, RepetitionPenaltyLogitsProcessor) else p
+            for p in logits_processor]) if self.mode == "device" else logits_processor
+        self.seeds: torch.Tensor | None = None
 
-    def __call__(self, trees: DraftTrees, logits: torch.Tensor, active: list[int]) -> BatchAccepted:
-        """The accepted paths of `trees` (rows: the caller's rows `active`) under the target's `logits` [rows, N, V]."""
+    def start(self) -> None:
+        """Before the prefill: one seed per row from torch's generator of the target's device (where plain sampling
+        draws: `torch.manual_seed` decides them; tensor-parallel ranks check it is the same on each)."""
+        if self.do_sample:
+            self.seeds = torch.randint(0, 2**31 - 1, (len(self.rows),), device=self.device)
+
+    def first(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill's choice of each row's first token: (processed scores [rows, V], tokens [rows])."""
+        processed = self.processors(input_ids, logits.clone())
+        positions = torch.tensor([input_ids.shape[1] - left for left in self.rows.lefts], device=logits.device)
+        return processed, next_tokens(processed, self.seeds, positions)
+
+    def __call__(self, trees: DraftTrees, logits: torch.Tensor, active: list[int], text: torch.Tensor,
+                 text_len: torch.Tensor, m: int) -> BatchAccepted:
+        """The accepted paths of `trees` (rows: the caller's rows `active`, whose texts are `text` [rows, T] up to
+        `text_len` [rows]) under the target's `logits` [rows, N, V]; m: path slots (trees' depth + 1)."""
         if self.greedy:
             return accept_greedy_batch(trees, logits, self.keep_scores)
-        rows = self.rows
+        seeds = None if self.seeds is None else self.seeds[torch.tensor(active, device=self.seeds.device)]
+        if self.mode == "device":
+            return self.on_device(trees, logits, text, text_len, m, seeds)
+        rows, lengths = self.rows, text_len.tolist()
         return BatchAccepted.from_rows([
             accept_walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b].unsqueeze(0),
-                        RowProcessor(self.processors, b, len(rows)), self.do_sample,
-                        self.streams.get(b, logits.device) if self.streams else None)
+                        RowProcessor(self.processors, b, len(rows)), None if seeds is None else seeds[i : i + 1],
+                        lengths[i])
             for i, b in enumerate(active)
         ])
+
+    def on_device(self, trees: DraftTrees, logits: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor, m: int,
+                  seeds: torch.Tensor | None) -> BatchAccepted:
+        """`accept_depthwise` with the rows' texts as the processors' context (a repetition penalty's token set: the
+        row without its padding, which `generate` makes it ignore) and each row's next position."""
+        context = None
+        if self.needs_context:
+            written = torch.arange(text.shape[1], device=text.device) < text_len.unsqueeze(1)
+            context = torch.where(written, text, logits.shape[-1])
+        return accept_depthwise(trees, logits, m, self.device_processors, context, seeds, text_len, self.keep_scores)

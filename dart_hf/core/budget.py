@@ -297,17 +297,18 @@ class CallBudget:
 
 
 class BudgetState:
-    """The policies' memory across `generate` calls, one per (target configuration, prompt lookup on/off): a fresh
-    policy pays its warm-up at the largest tree again. `head.budget_state`; `reset()` forgets."""
+    """The policies' memory across `generate` calls, one per (target configuration, prompt lookup on/off, sampling
+    or greedy: sampling accepts less and its steps cost more, so each learns from its own calls): a fresh policy pays
+    its warm-up at the largest tree again. `head.budget_state`; `reset()` forgets."""
 
     def __init__(self, knobs: BudgetKnobs | None = None, clock: Callable[[], float] = time.perf_counter):
         self.knobs, self.clock = knobs, clock
-        self.policies: dict[tuple[str, bool], BudgetPolicy] = {}
+        self.policies: dict[tuple[str, bool, bool], BudgetPolicy] = {}
         self._lock = threading.Lock()
 
-    def policy(self, target, prompt_lookup: bool) -> BudgetPolicy:
+    def policy(self, target, prompt_lookup: bool, sampled: bool = False) -> BudgetPolicy:
         key = cost_key(target)
-        name = (str(cost_file(key)), bool(prompt_lookup))
+        name = (str(cost_file(key)), bool(prompt_lookup), bool(sampled))
         with self._lock:
             if name not in self.policies:
                 curve = load_curve(target)
@@ -360,8 +361,10 @@ def _caller_stacklevel() -> int:
     return level if frame is not None else 2
 
 
-def budget_policy(head, target, prompt_lookup: bool | None = None, state: BudgetState | None = None) -> BudgetPolicy:
-    """The policy of (target, prompt lookup) in `state` (default: `head.budget_state`, attached on first use)."""
+def budget_policy(head, target, prompt_lookup: bool | None = None, state: BudgetState | None = None,
+                  sampled: bool = False) -> BudgetPolicy:
+    """The policy of (target, prompt lookup, sampling) in `state` (default: `head.budget_state`, attached on first
+    use)."""
     if state is None:
         with _state_lock:
             if head.budget_state is None:
@@ -369,7 +372,7 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
             state = head.budget_state
     if not isinstance(state, BudgetState):
         raise TypeError(f"the budget state must be a dart_hf.core.budget.BudgetState, got {type(state).__name__}")
-    return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup)
+    return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup, sampled)
 
 
 __all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "CallBudget", "budget_policy", "path_ranks"]

@@ -36,6 +36,12 @@ def bucket(max_length: int) -> int:
     return -(-max_length // SLOT_ROUNDING) * SLOT_ROUNDING
 
 
+def batch_bucket(rows: int) -> int:
+    """The rows a fixed-shape step holds for a batch of `rows`: the next power of two (1, 2, 4, 8, ...), so that
+    batches of nearby sizes share one compiled graph; the extra rows are masked copies of the first."""
+    return 1 << (rows - 1).bit_length()
+
+
 def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
     """One node budget for a whole call (chain mode): the head config's, or for a cost-aware head
     (`node_budget=None`) the budget policy's current choice, at least one node (`dart_hf.core.budget`)."""

@@ -32,6 +32,11 @@ class EagerStep:
         self.ragged_rows = len(rows) > 1 or any(rows.lefts)  # else one row without holes: nothing to compact, ever
 
     @property
+    def cache_rows(self) -> int:
+        """Rows the prefill writes: the call's."""
+        return self.ragged.valid.shape[0]
+
+    @property
     def returned_cache(self):
         """The cache `generate` returns: the call's for one unpadded row (plain decoding's entries), else None
         (ragged, and it has lost its finished rows)."""
@@ -49,11 +54,12 @@ class EagerStep:
         with timer.phase("verify"):
             logits, aux = verify_batch(self.target, trees, self.ragged, self.aux_ids)
         with timer.phase("accept"):
-            step = accept(trees, logits, active)
+            drafter = self.drafter
+            step = accept(trees, logits, active, drafter.text, drafter.text_len, trees.depth + 1)
             self.ragged.commit(step.paths, step.lengths)
             lengths = step.lengths.tolist()
             paths = step.paths.to(aux.device)
-            self.drafter.advance(aux.gather(1, paths.unsqueeze(2).expand(-1, -1, aux.shape[2])), step.tokens,
+            drafter.advance(aux.gather(1, paths.unsqueeze(2).expand(-1, -1, aux.shape[2])), step.tokens,
                                  lengths)
             step.lengths = torch.tensor(lengths)
         return trees, step

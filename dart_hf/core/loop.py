@@ -19,9 +19,9 @@ What plain batched `generate` does, and how it is kept:
 - Logits processors see the row exactly as `generate` gives it (left padding included, length prompt + t), at its
   own batch index (`rows.RowProcessor`). In a batch they are called once per row and token, not once per token for
   the batch, so state kept across calls would see other calls than in `generate` (SynthID is refused there).
-- Sampling: per row, the walk's rule (the target's own draw at each visited node, one multinomial per token). The
-  same seed gives the same text; in a batch each row draws from its own stream (`rows.RowStreams`, seeded from torch's),
-  so the draws are not those of plain batched `generate`, whose single multinomial per step covers all rows at once.
+- Sampling: the target's own draw at each visited node, with noise given by each row's seed and the token's position
+  (`acceptance`): the same seed gives the same text at every node budget and on either backend, but not plain
+  `generate`'s text (it draws with `torch.multinomial`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class StepBackend(Protocol):
 
     cache: object  # what the prefill writes into
     returned_cache: object  # what `generate` returns as the cache
+    cache_rows: int  # rows the prefill writes: the call's, then copies of the first (the static step's batch bucket)
     static: bool
     compiled: bool
     reason: str | None  # why the call runs the eager step, or what of the static step runs outside its graph
@@ -90,20 +91,20 @@ def dart_decode(
     stats.reset(mode="tree", budget_mode="fixed", node_budget=None)
     timer = PhaseTimer(stats.time, head.device, dart_timing)
     lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
-    budgets = _call_budget(head, model, dart_node_budget, lookup, dart_budget_state, timer)
+    budgets = _call_budget(head, model, dart_node_budget, lookup, dart_budget_state, timer, bool(config.do_sample))
     rows = Rows(input_ids, torch.ones_like(input_ids) if mask is None else mask.to(torch.long))
     keep = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
     accept = StepAcceptance(logits_processor, bool(config.do_sample), rows, keep, model.device)
     backend = _backend(model, head, input_ids, mask, rows, config, model_kwargs, budgets, lookup, accept, keep)
-    stats.budget_mode, stats.node_budget = budgets.mode, budgets.fixed
+    stats.budget_mode, stats.node_budget, stats.acceptance = budgets.mode, budgets.fixed, accept.mode
     pad_id, pad_finished = config._pad_token_tensor, any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     out_stream = ColumnStream(dart_streamer, rows, pad_id)
     if dart_streamer is not None:
         dart_streamer.put(input_ids.cpu())
 
+    accept.start()
     with timer.phase("prefill"):
-        step = _prefill(model, input_ids, mask, rows, backend, logits_processor, bool(config.do_sample),
-                        head.config.aux_layer_ids)
+        step = _prefill(model, input_ids, mask, rows, backend, accept, head.config.aux_layer_ids)
     active, budget = list(range(len(rows))), budgets.fixed
     stats.new_tokens = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
     active = _retire(rows, active, backend, config.max_length, pad_finished)
@@ -145,11 +146,12 @@ def _check(model, head, input_ids, mask, logits_processor, config, model_kwargs,
                                do_sample=bool(config.do_sample))
 
 
-def _call_budget(head: DartHead, model, requested, lookup: bool, state, timer: PhaseTimer) -> CallBudget:
-    """The call's budget: the cost-aware policy for "auto" (or a head config's `node_budget=None`), else fixed (the
-    request, or the head config's)."""
+def _call_budget(head: DartHead, model, requested, lookup: bool, state, timer: PhaseTimer,
+                 sampled: bool) -> CallBudget:
+    """The call's budget: the cost-aware policy for "auto" (or a head config's `node_budget=None`; sampled and greedy
+    calls learn apart), else fixed (the request, or the head config's)."""
     if requested == "auto" or (requested is None and head.config.node_budget is None):
-        policy: BudgetPolicy | None = budget_policy(head, model, prompt_lookup=lookup, state=state)
+        policy: BudgetPolicy | None = budget_policy(head, model, prompt_lookup=lookup, state=state, sampled=sampled)
         return CallBudget(policy, policy.choice, model, timer)
     return CallBudget(None, head.config.node_budget if requested is None else requested, model, timer)
 
@@ -162,13 +164,13 @@ def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig,
     if static_requested(config, model_kwargs):
         budget = budgets.fixed if budgets.policy is None else max(1, budgets.fixed)  # "auto": its current choice
         static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
-                                     accept.greedy and not keep)
+                                     accept.mode != "walk" and not keep)
     if static is not None:
         budgets.fix(static.nodes - 1)
-        if not accept.greedy or keep:
+        if accept.mode == "walk" or keep:
             static.reason = "; ".join(filter(None, [static.reason, (
-                "acceptance walks the tree eagerly between the captured draft / verify and commit (sampling, logits "
-                "processors or returned scores)")]))
+                "acceptance walks the tree eagerly between the captured draft / verify and commit (logits "
+                "processors the device walk does not run, or returned scores)")]))
         return static
     drafter = DartDrafter(head, model, max_length=config.max_length, node_budget=budgets.fixed, prompt_lookup=lookup,
                           eos_token_ids=config._eos_token_tensor, rows=len(rows))
@@ -178,20 +180,21 @@ def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig,
     return backend
 
 
-def _prefill(model, input_ids, attention_mask, rows: Rows, backend: StepBackend, logits_processor, do_sample: bool,
+def _prefill(model, input_ids, attention_mask, rows: Rows, backend: StepBackend, accept: StepAcceptance,
              aux_ids: list[int]) -> BatchAccepted:
     """The prompts' forward `generate` runs (2D mask, positions counted from each row's first real token) into the
-    backend's cache, and its choice of each row's first token; the backend gets the layer inputs the head reads."""
-    positions = (rows.mask.cumsum(dim=-1) - 1).masked_fill(rows.mask == 0, 0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                logits_to_keep=1, **cache_kwargs(model, backend.cache), **aux_request(aux_ids))
-    raw = out.logits[:, -1].float()
-    processed = logits_processor(input_ids, raw.clone())
-    if do_sample:
-        first = torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1).squeeze(1)
-    else:
-        first = processed.argmax(dim=-1)
-    backend.start(input_ids, rows.lefts, aux_states(out, aux_ids), first)
+    backend's cache, and its choice of each row's first token; the backend gets the layer inputs the head reads.
+    Rows past the call's (`backend.cache_rows`) are copies of the first."""
+    n, extra = len(rows), backend.cache_rows - len(rows)
+    more = lambda t: torch.cat([t, t[:1].expand(extra, *t.shape[1:])]) if extra else t
+    mask = more(rows.mask)
+    positions = (mask.cumsum(dim=-1) - 1).masked_fill(mask == 0, 0)
+    out = model(input_ids=more(input_ids), attention_mask=None if attention_mask is None else mask,
+                position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kwargs(model, backend.cache),
+                **aux_request(aux_ids))
+    raw = out.logits[:n, -1].float()
+    processed, first = accept.first(input_ids, raw)
+    backend.start(more(input_ids), rows.lefts + rows.lefts[:1] * extra, aux_states(out, aux_ids), more(first))
     one = torch.ones(len(rows), dtype=torch.long)
     return BatchAccepted(paths=torch.zeros_like(one).unsqueeze(1), lengths=one, tokens=first.unsqueeze(1),
                          scores=processed.unsqueeze(1), logits=raw.unsqueeze(1))

@@ -41,23 +41,6 @@ class Rows:
         return self.seqs[b].numel()
 
 
-class RowStreams:
-    """One random stream per row of a sampled batch, seeded from the default generator of `device` (the target's: the
-    one plain sampling draws from, so `torch.manual_seed` decides them, and tensor-parallel ranks check it is the
-    same): a row's draws then do not depend on how many tokens the other rows accepted in a step, and the same seed
-    gives the same text whatever trees the budget chose (its choices depend on measured times)."""
-
-    def __init__(self, rows: int, device: torch.device):
-        self.seeds = torch.randint(0, 2**62, (rows,), device=device).tolist()
-        self.generators: dict[int, torch.Generator] = {}
-
-    def get(self, row: int, device: torch.device) -> torch.Generator:
-        """Row `row`'s stream, on the device of the logits it samples from (made at its first draw)."""
-        if row not in self.generators:
-            self.generators[row] = torch.Generator(device=device).manual_seed(self.seeds[row])
-        return self.generators[row]
-
-
 class RowProcessor:
     """The call's logits processors applied to ONE row b of the batch, as `generate` applies them to the whole batch.
 

@@ -11,13 +11,13 @@ length) and host reads, so it cannot be captured. Here every shape is fixed for 
 - the drafter (`DartDrafter`, the eager step's own) is made with every buffer at its final size and one path of
   pending slots (M = depth + 1, the first `n_pend` real), so its head forward and tree search have one shape;
 - the masks are tensors built from the device-side lengths (no Python int of a length anywhere in the step);
-- head forward + tree search + verify (`target.target_forward`) + greedy acceptance + commit is `greedy_step`, captured
-  with `fullgraph=True`; the accepted length and tokens come back to the host in ONE copy per step.
+- head forward + tree search + verify (`target.target_forward`) + acceptance (greedy, or the call's sampling and
+  processors on the device: `acceptance.accept_depthwise`) + commit is `decode_step`, captured with `fullgraph=True`;
+  the accepted length and tokens come back to the host in ONE copy per step.
 
-Sampling and logits processors keep the call's acceptance walk (one draw per emitted token, as plain `generate`, so
-the same seed gives the same text) between the captured `draft_tree` + `verify` and `commit`.
-What the static step cannot run (a batch, sliding windows, ...) runs on the eager step, and `DartStats.static_reason`
-says why (`static_refusal`).
+Processors the device walk cannot run, and returned scores, keep the call's eager acceptance walk between the
+captured `draft_tree` + `verify` and `commit` (one row). What the static step cannot run (such a walk on a batch,
+sliding windows, ...) runs on the eager step, and `DartStats.static_reason` says why (`static_refusal`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from transformers import GenerationConfig, StaticCache
 
 from .acceptance import BatchAccepted, StepAcceptance, greedy_paths
 from .distributed import tensor_parallel_group
-from .drafter import DartDrafter, bucket, draft_depth
+from .drafter import DartDrafter, batch_bucket, bucket, draft_depth
 from .modeling import DartHead
 from .ragged import backend_mask, layer_windows
 from .target import target_forward
@@ -47,14 +47,14 @@ def static_requested(generation_config: GenerationConfig, model_kwargs: dict) ->
 
 
 def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
-                   node_budget: int, tensor_parallel: bool, greedy: bool) -> str | None:
+                   node_budget: int, tensor_parallel: bool, vectorised: bool) -> str | None:
     """Why this call cannot take the static step (it then runs the eager loop, exactly), or None."""
     text = model.config.get_text_config(decoder=True)
     context = getattr(text, "max_position_embeddings", None)
     batch = input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all()))
-    if batch and not greedy:
-        return ("the static step decodes a batch or padded rows greedily (no logits processors); sampled batches "
-                "run the eager loop")
+    if batch and not vectorised:
+        return ("the static step decodes a batch or padded rows with the acceptance on the device (greedy, or "
+                "sampling with the generation config's processors) and no returned scores")
     if any(w is not None for w in layer_windows(model.config)):
         return "sliding-window layers (the static step keeps one full-attention mask)"
     if context and generation_config.max_length > context:
@@ -72,20 +72,21 @@ def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_co
 
 def static_step(model, head: DartHead, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
                 node_budget: int, prompt_lookup: bool, aux_layer_ids: list[int],
-                greedy: bool) -> tuple["StaticStep | None", str | None]:
+                vectorised: bool) -> tuple["StaticStep | None", str | None]:
     """(the call's `StaticStep`, None), or (None, why the static step was refused: the call runs the eager step). The
     budget is fixed for the call; the step is compiled under transformers' own decision
     (`_valid_auto_compile_criteria`) with the call's `compile_config`."""
     reason = static_refusal(model, input_ids, attention_mask, generation_config, node_budget,
-                            tensor_parallel_group(model) is not None, greedy)
+                            tensor_parallel_group(model) is not None, vectorised)
     if reason is not None:
         return None, reason
     max_length = generation_config.max_length
     depth = draft_depth(node_budget, max_length, head.config.num_predictions)
     drafter = DartDrafter(head, model, max_length=max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
-                          eos_token_ids=generation_config._eos_token_tensor, rows=input_ids.shape[0],
+                          eos_token_ids=generation_config._eos_token_tensor, rows=batch_bucket(input_ids.shape[0]),
                           pending=depth + 1, full=True)
-    step = StaticStep(model, drafter, depth=depth, max_length=max_length, aux_layer_ids=aux_layer_ids)
+    step = StaticStep(model, drafter, depth=depth, max_length=max_length, aux_layer_ids=aux_layer_ids,
+                      call_rows=input_ids.shape[0])
     if model._valid_auto_compile_criteria({"cache": step.cache}, generation_config):
         config = generation_config.compile_config or model._default_compile_config()
         step.compile_options, step.reason = compile_options(config.to_dict())
@@ -178,22 +179,28 @@ def commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, paths: torch.Te
 
 
 def accept_commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, spec: StepSpec, tree: DraftTrees,
-                  logits: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy acceptance (`greedy_paths` with M fixed slots: no host sync) and `commit`. Returns (lengths [rows],
-    tokens [rows, M]: the accepted draft tokens then the target's own, the first lengths[r] real)."""
-    predicted = logits.argmax(dim=-1)
-    paths, lengths = greedy_paths(tree, predicted, spec.path_slots)
-    tokens = predicted.gather(1, paths)
+                  logits: torch.Tensor, aux: torch.Tensor, accept: StepAcceptance,
+                  seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's acceptance on the device with M fixed path slots (greedy: `greedy_paths`; else
+    `StepAcceptance.on_device` with the step's rows' `seeds`; no host sync) and `commit`. Returns (lengths [rows], tokens [rows, M]: the accepted
+    draft tokens then the target's own, the first lengths[r] real)."""
+    if accept.greedy:
+        predicted = logits.argmax(dim=-1)
+        paths, lengths = greedy_paths(tree, predicted, spec.path_slots)
+        tokens = predicted.gather(1, paths)
+    else:
+        step = accept.on_device(tree, logits, drafter.text, drafter.text_len, spec.path_slots, seeds)
+        paths, lengths, tokens = step.paths, step.lengths, step.tokens
     commit(cache, drafter, rows, paths, lengths, tokens, aux)
     return lengths, tokens
 
 
-def greedy_step(target, cache: StaticCache, drafter: DartDrafter, rows: Rows,
-                spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """One whole greedy DART step of every row, captured as one graph: `draft_tree`, `verify`, `accept_commit`."""
+def decode_step(target, cache: StaticCache, drafter: DartDrafter, rows: Rows, spec: StepSpec,
+                accept: StepAcceptance, seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole DART step of every row, captured as one graph: `draft_tree`, `verify`, `accept_commit`."""
     tree = draft_tree(drafter, spec.depth)
     logits, aux = verify(target, cache, drafter, spec, tree, rows)
-    return accept_commit(cache, drafter, rows, spec, tree, logits, aux)
+    return accept_commit(cache, drafter, rows, spec, tree, logits, aux, accept, seeds)
 
 
 _COMPILED: dict = {}
@@ -219,7 +226,8 @@ class StaticStep:
 
     static = True
 
-    def __init__(self, target, drafter: DartDrafter, *, depth: int, max_length: int, aux_layer_ids: list[int]):
+    def __init__(self, target, drafter: DartDrafter, *, depth: int, max_length: int, aux_layer_ids: list[int],
+                 call_rows: int):
         self.target, self.drafter = target, drafter
         self.spec = StepSpec(depth, tuple(aux_layer_ids), target.config._attn_implementation or "eager")
         # the target's cache: every committed token plus one tree past the furthest row and a path of slack for a
@@ -230,11 +238,18 @@ class StaticStep:
                                  + 2 * self.spec.path_slots)
         left = torch.zeros_like(drafter.text_len)  # each row's left padding: set by `start`
         self.rows = Rows(left, max_length - 1 - left, torch.ones_like(left))
-        self.active = list(range(left.numel()))  # the caller's active rows, as indices into this step's rows
+        self.rows.alive[call_rows:] = 0  # the batch bucket's extra rows (`batch_bucket`) never decode
+        self.active = list(range(call_rows))  # the caller's active rows, as indices into this step's rows
+        self.seeds: torch.Tensor | None = None  # the rows' sampling seeds, the extra rows' copied from the first
         self.compile_options: dict | None = None  # torch.compile options (None: the static step runs eagerly)
         self.reason: str | None = None  # what of the step runs outside the captured graph, or why it stopped being
         for t in [*drafter.tensors(), *vars(self.rows).values()]:  # updated in place: fixed addresses (CUDA graphs)
             torch._dynamo.mark_static_address(t)
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows the cache and the drafter hold: the call's, then copies of its first up to the batch bucket."""
+        return self.drafter.head_len.shape[0]
 
     @property
     def nodes(self) -> int:
@@ -259,25 +274,27 @@ class StaticStep:
     def step(self, budget: int, max_new: list[int], accept: StepAcceptance, active: list[int],
              timer) -> tuple[DraftTrees | None, BatchAccepted]:
         """One step (the call's one budget; `max_new` is the positions' bound `last_pos`), its tokens on the host.
-        Greedy without processors: the captured `greedy_step` and ONE device-to-host copy (length + tokens); with
+        The acceptance on the device: the captured `decode_step` and ONE device-to-host copy (length + tokens); with
         `dart_timing` its three parts are captured and timed one by one (phases draft = head + tree search, verify,
-        accept). Sampling or processors: the captured draft and verify, the call's acceptance walk (eager), the
-        captured `commit`."""
+        accept). Processors off the device, or returned scores: the captured draft and verify, the call's acceptance
+        walk (eager), the captured `commit`."""
         run, drafter, spec, rows = self._run, self.drafter, self.spec, self.rows
-        if accept.greedy and not timer.requested:
+        on_device = accept.mode != "walk" and not accept.keep_scores
+        if on_device and not timer.requested:
             with timer.phase("step"):
-                return None, self._host_result(*run(greedy_step, self.target, self.cache, drafter, rows, spec))
+                return None, self._host_result(*run(decode_step, self.target, self.cache, drafter, rows, spec,
+                                                    accept, self._seeds(accept)))
         with timer.phase("draft"):
             tree = run(draft_tree, drafter, spec.depth)
         with timer.phase("verify"):
             logits, aux = run(verify, self.target, self.cache, drafter, spec, tree, rows)
         with timer.phase("accept"):
-            if accept.greedy:
+            if on_device:
                 return tree, self._host_result(*run(accept_commit, self.cache, drafter, rows, spec, tree, logits,
-                                                    aux))
-            step = accept(tree, logits, active)  # one row (`static_refusal`)
-            m, n = spec.path_slots, int(step.lengths[0])
-            pad = lambda t: torch.cat([t, t[:, -1:].expand(-1, m - n, *t.shape[2:])], dim=1)
+                                                    aux, accept, self._seeds(accept)))
+            step = accept(tree, logits, active, drafter.text, drafter.text_len, spec.path_slots)  # one row
+            m = spec.path_slots  # the walk's paths are as long as the row's: pad them to M
+            pad = lambda t: torch.cat([t, t[:, -1:].expand(-1, m - t.shape[1], *t.shape[2:])], dim=1)
             run(commit, self.cache, drafter, rows, pad(step.paths), step.lengths.to(aux.device), pad(step.tokens),
                 aux)
         step.lengths = step.lengths.cpu()
@@ -291,6 +308,13 @@ class StaticStep:
         alive = torch.zeros_like(self.rows.alive, device="cpu")
         alive[self.active] = 1
         self.rows.alive.copy_(alive)
+
+    def _seeds(self, accept: StepAcceptance) -> torch.Tensor | None:
+        """The sampling seeds of the step's rows (the call's, then the first row's for the bucket's extra rows)."""
+        if self.seeds is None and accept.seeds is not None:
+            extra = self.cache_rows - accept.seeds.shape[0]
+            self.seeds = torch.cat([accept.seeds, accept.seeds[:1].expand(extra)])
+        return self.seeds
 
     def _host_result(self, lengths: torch.Tensor, tokens: torch.Tensor) -> BatchAccepted:
         """The greedy step's result for the active rows, on the host, read back in ONE copy: lengths then tokens."""

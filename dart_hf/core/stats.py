@@ -31,7 +31,9 @@ class DartStats:
     captured function: its time is "step" (draft + tree + verify + accept + commit).
     static / compiled: whether the call ran the fixed-shape step (`cache_implementation="static"`), and whether
     compiled; static_reason: why a call that asked for a static cache ran the eager loop instead, or which part of
-    its steps runs outside the captured graph.
+    its steps runs outside the captured graph. acceptance: how the tree mode accepted ("greedy", "device": sampling
+    and the generation config's processors in batched passes on the device, "walk": other processors, one row and
+    node at a time with a host read per node; `acceptance.StepAcceptance`).
     """
 
     mode: str = "tree"
@@ -45,6 +47,7 @@ class DartStats:
     static: bool = False
     compiled: bool = False
     static_reason: str | None = None
+    acceptance: str | None = None
 
     @property
     def mean_accepted_length(self) -> float:

@@ -201,6 +201,7 @@ class DraftTrees:
     ancestor_mask: torch.Tensor
     scores: torch.Tensor
     sizes: torch.Tensor
+    depth: int = 0  # no node is deeper (known on the host: a walk over the trees has depth + 1 passes)
 
     @property
     def width(self) -> int:
@@ -227,7 +228,7 @@ class DraftTrees:
         if self.tokens.device == torch.device(device):
             return self
         return DraftTrees(*(t.to(device) for t in (self.tokens, self.parents, self.depths, self.ancestor_mask,
-                                                    self.scores, self.sizes)))
+                                                    self.scores, self.sizes)), depth=self.depth)
 
     @classmethod
     def roots(cls, tokens: torch.Tensor) -> "DraftTrees":
@@ -367,4 +368,5 @@ def build_trees(
         ancestor_mask=anc,
         scores=torch.where(real, scores.gather(1, chosen), float("-inf")),
         sizes=real.sum(dim=1),
+        depth=depth_limit,
     )
