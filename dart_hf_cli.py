@@ -115,6 +115,17 @@ def _bench(sub) -> None:
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, each method once more on one prompt per data set, untimed: top-level "
                    "aten ops and host syncs per decoding step and per new token (results.md, results.json)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="sample at temperature T instead of greedy: every method (batched, compiled, --synthetic too) "
+                   "gets do_sample=True and the same settings, each call seeded the same way right before it; "
+                   "outputs are then not compared with plain generate (\"n/a (sampling)\"). Settings left out are off, "
+                   "not the target's generation config's. Without it: greedy")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="with sampling: top-p (nucleus) P")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="with sampling: top-k K (0: off)")
+    p.add_argument("--min-p", type=float, default=None, metavar="P", help="with sampling: min-p P")
+    p.add_argument("--qwen3-sampling", action="store_true",
+                   help="sample with Qwen3's shipped generation config: temperature 0.6, top-p 0.95, top-k 20 "
+                   "(--temperature / --top-p / --top-k / --min-p given beside it replace its values)")
 
 
 def _sizes(text: str) -> list[int]:

@@ -15,7 +15,10 @@
 # 4. the synthetic bench with flex_attention (first call compiles the kernel; ~2-3 min);
 # 5. the DART step under CUDA graphs (DART_HF_CUDA_GRAPHS=1, compile mode "reduce-overhead", what plain generate
 #    uses on CUDA), budget 7, outputs compared with plain: if this part gives a wrong token or crashes, the default
-#    (CUDA graphs off for the DART step, `static_step.compile_options`) must stay (~2-3 min).
+#    (CUDA graphs off for the DART step, `static_step.compile_options`) must stay (~2-3 min);
+# 6. part 3 sampling with Qwen3's shipped settings (`--qwen3-sampling`: temperature 0.6, top-p 0.95, top-k 20), every
+#    call seeded alike: compiled DART step / compiled plain step when both sample, budgets 7 60 (outputs are not
+#    compared: sampled texts differ by method; 6 compiles, ~5-7 min).
 # Every part has its own timeout and writes what it has; a failing part does not stop the next one.
 # It needs no download (random targets) and runs from the source tree with the machine's own torch / transformers,
 # so it fits a device machine that cannot fetch anything. The real SmolLM2 target cannot travel to such a machine
@@ -94,5 +97,10 @@ echo "== 5. the DART step under CUDA graphs (reduce-overhead), synthetic Qwen3-8
 DART_HF_CUDA_GRAPHS=1 timeout 300 python -m dart_hf_cli bench --synthetic --compiled --attn sdpa --budget 7 \
   --max-new-tokens 48 --out "$OUT/synthetic_cudagraphs" > "$OUT/synthetic_cudagraphs.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_cudagraphs.log"
+
+echo "== 6. compiled rows sampling with Qwen3's settings (--qwen3-sampling), synthetic Qwen3-8B shape, bf16, SDPA"
+timeout 600 python -m dart_hf_cli bench --synthetic --compiled --qwen3-sampling --attn sdpa --budget 7 60 \
+  --max-new-tokens 48 --out "$OUT/synthetic_compiled_sampling" > "$OUT/synthetic_compiled_sampling.log" 2>&1
+rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 60 "$OUT/synthetic_compiled_sampling.log"
 
 exit $status

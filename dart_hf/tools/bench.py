@@ -18,6 +18,14 @@ reported also as a speed-up over plain_compiled; each is first called once on ev
 seconds are reported apart). `--profile` adds top-level aten ops and host syncs per decoding step and per new token
 of every method, on one prompt per data set (`bench_profile.profile_methods`).
 
+`--temperature T` (with `--top-p`, `--top-k`, `--min-p`, or `--qwen3-sampling` for Qwen3's shipped 0.6 / 0.95 / 20)
+samples instead: every method (and the batched, compiled, profiled and synthetic runs) gets `do_sample=True` and the
+same settings (`bench_methods.sampling_settings`; a setting left out is off, not the target's generation config's),
+and every call is seeded with `torch.manual_seed` right before it, the same seed for every method on a prompt
+(`bench_methods.SEEDS_HOW`). Sampled texts differ by method (each consumes the random stream its own way), so outputs
+are not compared: "equal to generate" reads "n/a (sampling)", `all_equal` is None and the exit status is 0; the
+reports state the settings (`results["meta"]["sampling"]`). Without `--temperature` the bench is greedy as before.
+
 Reported per data set and method: tokens/s, speedup over plain, accepted length (new
 tokens per target forward, counted with a forward hook on the target; plain = 1), whether every output equals plain
 generate, and for the tree methods where a step's time goes (head forward, tree search, target verify, accept +
@@ -68,7 +76,8 @@ import torch
 from ..core.cost import load_curve
 from ..core.distributed import tensor_parallel_group
 from .assets import shipped_head
-from .bench_methods import DEFAULT_BUDGET, Method, standard_methods
+from .bench_methods import (DEFAULT_BUDGET, SEEDS_HOW, Method, sampling_kwargs, sampling_settings,
+                            standard_methods)
 from .bench_profile import profile_methods
 from .bench_report import markdown_report, write_reports
 from .bench_synthetic import run_synthetic, synthetic_markdown
@@ -92,6 +101,7 @@ def run_bench(
     batch_sizes: list[int] | None = None,
     calibrate: bool = True,
     profile: bool = False,
+    sampling: dict | None = None,
 ) -> dict:
     """Run every method on every prompt, `runs` times; returns (and, with `out_dir`, writes) the results.
 
@@ -106,6 +116,9 @@ def run_bench(
     that compiles every graph the timed calls run; its seconds are `results["compile_warmup"]`.
     `profile`: afterwards, each method once more on the first prompt of each data set, untimed, counting aten ops
     and host syncs (`bench_profile.profile_methods`, `results["profile"]`).
+    `sampling`: None for greedy (outputs compared with plain's), or `bench_methods.sampling_settings`: every method
+    samples with them, each call seeded right before it (the same seed for every method on a prompt), outputs not
+    compared (`all_equal` None); `results["meta"]["sampling"]` states the settings and the seeds.
     A tensor-parallel target (every rank calls this with the same arguments): no curve is measured (each rank's
     measurement would decide its own sizes and retries; the cost-aware methods use a stored curve or none, and every
     rank follows the first rank's choices, `core.distributed.shared_budget`), and only rank 0 shows progress, runs
@@ -122,7 +135,9 @@ def run_bench(
         calibrate, meta = False, {**(meta or {}), "tensor_parallel": ranks[1]}
         if ranks[0] != 0:  # rank 0 reports; the others run the same calls in lockstep
             progress, out_dir, load = False, None, 0
-    gen = dict(do_sample=False, max_new_tokens=max_new_tokens)
+    gen = dict(**sampling_kwargs(sampling), max_new_tokens=max_new_tokens)
+    if sampling is not None:  # greedy meta stays as it was: no key
+        meta = {**(meta or {}), "sampling": {**sampling, "seeds": SEEDS_HOW}}
     if getattr(target.generation_config, "pad_token_id", None) is None:
         eos = target.generation_config.eos_token_id
         gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
@@ -160,6 +175,11 @@ def tensor_parallel_ranks(target) -> tuple[int, int] | None:
 
 # ---------------------------------------------------------------------------------------------------- CLI
 def main(args: argparse.Namespace) -> int:
+    try:
+        sampling = sampling_settings(args.temperature, args.top_p, args.top_k, args.min_p, args.qwen3_sampling)
+    except ValueError as err:
+        print(f"dart-hf bench: error: {err}", file=sys.stderr)
+        return 2
     if args.synthetic:
         if not torch.cuda.is_available():
             print("dart-hf bench --synthetic needs a CUDA GPU: it builds a random Qwen3-8B-shaped target "
@@ -168,7 +188,8 @@ def main(args: argparse.Namespace) -> int:
             return 2
         budgets = {"budgets": tuple(args.budget)} if args.budget else {}
         results = run_synthetic(attn_implementation=args.attn, out_dir=args.out, new_tokens=args.max_new_tokens,
-                                compiled=args.compiled, compile_backend=args.compile_backend, **budgets)
+                                compiled=args.compiled, compile_backend=args.compile_backend, sampling=sampling,
+                                **budgets)
         print(synthetic_markdown(results))
         return 0
     if args.n < 1:
@@ -209,9 +230,9 @@ def main(args: argparse.Namespace) -> int:
     results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
                         out_dir=args.out, warmup=not args.no_warmup, meta=meta, runs=args.runs,
                         load=args.load or 0, batch_sizes=None if batch_sizes == [1] else batch_sizes,
-                        calibrate=not args.no_calibrate, profile=args.profile)
+                        calibrate=not args.no_calibrate, profile=args.profile, sampling=sampling)
     if not report:
-        return 0 if results["all_equal"] else MISMATCH_EXIT
+        return 0 if results["all_equal"] is not False else MISMATCH_EXIT
     print(markdown_report(results))
     print(f"\nwrote {Path(args.out) / 'results.json'}, results.md, results.png")
     return exit_status(results)
@@ -250,8 +271,9 @@ def load_tensor_parallel(target_name: str, head_path, dtype: torch.dtype, attn_i
 
 
 def exit_status(results: dict) -> int:
-    """0 when every output equals plain generate, MISMATCH_EXIT (3) otherwise (and says so on stderr)."""
-    if results["all_equal"]:
+    """0 when every output equals plain generate or outputs were not compared (sampling: `all_equal` is None),
+    MISMATCH_EXIT (3) otherwise (and says so on stderr)."""
+    if results["all_equal"] is not False:
         return 0
     print("dart-hf bench: OUTPUT MISMATCH - "
           + "; ".join(f"{m['method']} on {m['dataset']} prompt {m['prompt']}" for m in results["mismatches"]),

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .bench_methods import Method
+from .bench_methods import Method, seed_call
 from .bench_timing import ForwardCounter, counted_run, sync_device
 
 CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -85,17 +85,20 @@ def profile_methods(target, head, prompts: dict[str, list[torch.Tensor]], method
     `SYNCS_HOW`). Returns {"how", "syncs", "datasets": {data set: {method: counts}}}."""
     counter = ForwardCounter(target)
     try:
-        rows = {ds: {m.name: _profile_call(m, target, head, ps[0].to(target.device), gen, counter) for m in methods}
-                for ds, ps in prompts.items()}
+        rows = {ds: {m.name: _profile_call(m, target, head, ps[0].to(target.device), gen, counter, (ds, 0))
+                     for m in methods} for ds, ps in prompts.items()}
     finally:
         counter.remove()
     syncs = "cuda" if target.device.type == "cuda" else "value reads"
     return {"how": PROFILE_HOW, "syncs": SYNCS_HOW[syncs], "datasets": rows}
 
 
-def _profile_call(m: Method, target, head, ids: torch.Tensor, gen: dict, counter: ForwardCounter) -> dict:
+def _profile_call(m: Method, target, head, ids: torch.Tensor, gen: dict, counter: ForwardCounter,
+                  seed_key: tuple = ()) -> dict:
     """One profiled call of `m`: its steps, new tokens, top-level aten ops, host syncs (and host value reads by
-    method; on CUDA also device-to-host copies)."""
+    method; on CUDA also device-to-host copies). A sampled `gen` is seeded as the timed call on that prompt was
+    (`seed_key`), so the profiled call decodes the same text."""
+    seed_call(gen, *seed_key)
     from torch.profiler import ProfilerActivity, profile
 
     cuda = ids.device.type == "cuda"

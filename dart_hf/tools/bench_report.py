@@ -10,17 +10,33 @@ import json
 import math
 from pathlib import Path
 
+from .bench_methods import sampling_text
 from .bench_timing import ALL_PHASES, PHASE_LABELS
+
+NOT_COMPARED = "n/a (sampling)"  # the "equal to generate" cell of a sampled run: sampled texts differ by method
 
 
 def fmt(x, spec: str = ".2f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _equal_text(r: dict, unit: str) -> str:
+    """A row's "equal to generate" cell: yes, NO (how many prompts or batches), or not compared (sampling)."""
+    if r["equal_to_plain"] is None:
+        return NOT_COMPARED
+    return "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} {unit})**"
+
+
 def _report_head(results: dict) -> list[str]:
     meta = results["meta"]
-    lines = ["# dart-hf bench", ""]
-    if not results["all_equal"]:
+    sampling = meta.get("sampling")
+    lines = [f"# dart-hf bench, sampling ({sampling_text(sampling)})" if sampling else "# dart-hf bench", ""]
+    if results["all_equal"] is None:
+        lines += [f"Sampling with {sampling_text(sampling or {})}: every method gets `do_sample=True` and these "
+                  f"settings; seeds: {(sampling or {}).get('seeds', 'n/a')}. Outputs are not compared with plain "
+                  "`generate` (each method consumes the random stream its own way, so the same seed gives different "
+                  f"texts): \"equal to generate\" reads {NOT_COMPARED}.", ""]
+    elif not results["all_equal"]:
         lines += ["**OUTPUT MISMATCH: some methods did not reproduce plain `generate` (greedy must be identical).**",
                   ""]
         lines += [f"- {m['method']} on {m['dataset']} "
@@ -59,7 +75,7 @@ def markdown_report(results: dict) -> str:
         lines += [f"## {ds}", "", "| method | tokens/s | speedup | accepted length | equal to generate |" + extra,
                   "|---|---:|---:|---:|---|" + "---:|" * len(baselines)]
         for name, r in rows.items():
-            equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} prompts)**"
+            equal = _equal_text(r, "prompts")
             vs = "".join(f" {_speedup_text(r, 'speedup_vs_baseline')} |" if r.get("baseline") == b else " |"
                          for b in baselines)
             lines.append(f"| {results['methods'][name]} | {fmt(r['tokens_per_s'], '.1f')} | "
@@ -122,7 +138,7 @@ def batch_markdown_report(results: dict) -> str:
                   "|---:|---|---:|---:|" + ("---:|" if compiled else "") + "---|---|"]
         for b, rows in sizes.items():
             for name, r in rows.items():
-                equal = "yes" if r["equal_to_plain"] else f"**NO ({r['mismatched_prompts']} batches)**"
+                equal = _equal_text(r, "batches")
                 vs = f" {_speedup_text(r, 'speedup_vs_baseline') if 'baseline' in r else ''} |" if compiled else ""
                 lines.append(f"| {b} | {results['methods'][name]} | {fmt(r['tokens_per_s'], '.1f')} | "
                              f"{_speedup_text(r)} |{vs} {_budget_text(r)} | {equal} |")
@@ -167,6 +183,13 @@ def _profile_lines(results: dict) -> list[str]:
     return lines + [""]
 
 
+def _plot_note(results: dict, mark: str) -> str:
+    """What a plot's title says about outputs: how a mismatch is marked, or that a sampled run compared none."""
+    sampling = results["meta"].get("sampling")
+    return f"sampling, {sampling_text(sampling)}: outputs not compared" if sampling else \
+        f"{mark}: output differs from generate"
+
+
 def plot_batch_results(results: dict, path: str | Path) -> None:
     """tokens/s against batch size, one line per method, one panel per data set (red x: output differs)."""
     import matplotlib
@@ -184,14 +207,14 @@ def plot_batch_results(results: dict, path: str | Path) -> None:
                 continue
             xs = [b for b, _ in points]
             ax.plot(xs, [r["tokens_per_s"] for _, r in points], marker="o", label=label)
-            bad = [(b, r["tokens_per_s"]) for b, r in points if not r["equal_to_plain"]]
+            bad = [(b, r["tokens_per_s"]) for b, r in points if r["equal_to_plain"] is False]
             if bad:
                 ax.scatter(*zip(*bad), marker="x", color="red", s=80, zorder=5)
         ax.set_xscale("log", base=2)
         ax.set_xticks([int(b) for b in sizes], [str(b) for b in sizes])
         ax.set_xlabel("batch size (rows)")
         ax.set_ylabel("tokens / s")
-        ax.set_title(f"{ds} (red x: output differs from generate)")
+        ax.set_title(f"{ds} ({_plot_note(results, 'red x')})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -212,12 +235,12 @@ def plot_results(results: dict, path: str | Path) -> None:
         values = [results["datasets"][ds][name]["tokens_per_s"] for ds in datasets]
         bars = ax1.bar([i + j * width for i in range(len(datasets))], values, width, label=results["methods"][name])
         for bar, ds in zip(bars, datasets):
-            if not results["datasets"][ds][name]["equal_to_plain"]:
+            if results["datasets"][ds][name]["equal_to_plain"] is False:
                 bar.set_hatch("xx")
                 bar.set_edgecolor("red")
     ax1.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(datasets))], datasets)
     ax1.set_ylabel("tokens / s")
-    ax1.set_title("Throughput (hatched red: output differs from generate)")
+    ax1.set_title(f"Throughput ({_plot_note(results, 'hatched red')})")
     ax1.legend(fontsize=8)
     labels, bottoms = [], []
     tree = [(ds, n) for ds in datasets for n in names if "phase_ms" in results["datasets"][ds][n]]

@@ -3,8 +3,11 @@ in bf16 (`synthetic_target`, no weights downloaded) and a random head of the ref
 size and the per-phase time of real DART steps by node budget (`run_synthetic`), and with `--compiled` the same on a
 static cache with `torch.compile` against compiled plain decoding (`TokenClock` times plain's decoding steps without
 its prefill). Writes synthetic.json and synthetic.md (`synthetic_markdown`). Apart from the real-model bench: no
-prompts, no methods list, its own report; it shares only `compile_config`, the step phases, the device sync, the
-environment and the number format.
+prompts, no methods list, its own report; it shares only `compile_config`, the sampling settings, the step phases,
+the device sync, the environment and the number format.
+With `sampling` (`--temperature`, `--qwen3-sampling`, ...: `bench_methods.sampling_settings`) every `generate` call
+here samples at those settings, seeded with the same seed right before it (`_generate`), so the compiled DART step is
+timed against compiled plain decoding as a sampling user runs both; outputs are then not compared (None).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .bench_methods import compile_config
-from .bench_report import fmt
+from .bench_methods import compile_config, sampling_kwargs, sampling_text, seed_call
+from .bench_report import NOT_COMPARED, fmt
 from .bench_timing import PHASE_LABELS, PHASES, environment, sync_device
 
 QWEN3_8B_SHAPE = dict(
@@ -55,6 +58,7 @@ def run_synthetic(
     progress: bool = True,
     compiled: bool = False,
     compile_backend: str = "inductor",
+    sampling: dict | None = None,
 ) -> dict:
     """Verify cost by tree size, and the per-phase time of real DART steps (random head, random n-gram) by budget.
 
@@ -66,6 +70,9 @@ def run_synthetic(
 
     `compiled`: also plain and DART `generate` on a static cache with `torch.compile` (`compile_backend`), what a GPU
     user runs: `results["compiled"]` (`_synthetic_compiled`).
+
+    `sampling`: None (greedy) or `bench_methods.sampling_settings`: every call samples at those settings from one
+    seed (`_generate`); the "equal to plain" fields are then None (sampled texts differ by method).
     """
     from .calibrate import DEFAULT_SIZES, measure_verify_cost
     from ..core.modeling import DartHead
@@ -90,26 +97,18 @@ def run_synthetic(
 
     cost = measure_verify_cost(target, sizes=cost_sizes or DEFAULT_SIZES, past_len=prompt_len, repeats=repeats,
                                warmup=2)
-    gen = dict(do_sample=False, max_new_tokens=new_tokens, attention_mask=torch.ones_like(ids))
-    target.generate(ids, **{**gen, "max_new_tokens": 8})  # warm-up
-    sync_device(device)
-    start = time.perf_counter()
-    plain_out = target.generate(ids, **gen)
-    sync_device(device)
-    plain_s = time.perf_counter() - start
+    gen = dict(**sampling_kwargs(sampling), max_new_tokens=new_tokens, attention_mask=torch.ones_like(ids))
+    _generate(target, ids, **{**gen, "max_new_tokens": 8})  # warm-up
+    plain_out, plain_s = _timed_generate(target, ids, **gen)
     plain_ms = 1e3 * plain_s / (plain_out.shape[1] - ids.shape[1])
 
     rows = []
     for budget in tqdm(budgets, desc="synthetic budgets", disable=not progress):
         run = dict(assistant_model=head, dart_node_budget=budget, **gen)
-        target.generate(ids, **{**run, "max_new_tokens": 8})  # warm-up at this tree size
-        sync_device(device)
-        start = time.perf_counter()
-        out = target.generate(ids, **run)  # untimed phases: the real wall time of a step
-        sync_device(device)
-        wall = time.perf_counter() - start
+        _generate(target, ids, **{**run, "max_new_tokens": 8})  # warm-up at this tree size
+        out, wall = _timed_generate(target, ids, **run)  # untimed phases: the real wall time of a step
         steps_plain = head.stats["steps"]
-        target.generate(ids, dart_timing=True, **run)  # synchronised phases: where the time goes
+        _generate(target, ids, dart_timing=True, **run)  # synchronised phases: where the time goes
         stats = head.stats
         phase_ms = {p: 1e3 * stats["time"].get(p, 0.0) / max(stats["steps"], 1) for p in PHASES}
         step_ms = sum(phase_ms.values())
@@ -126,11 +125,12 @@ def run_synthetic(
             # the accepted length (tokens per step) at which DART only matches plain decoding
             "break_even_accepted_length": wall_step_ms / plain_ms,
             "projected_speedup_at_3.7": 3.7 * plain_ms / wall_step_ms,
-            "output_equal_to_plain": bool(torch.equal(out, plain_out)),
+            "output_equal_to_plain": _equal(out, plain_out, gen),
         })
     results = {
         "meta": {**environment(target), "shape": shape, "build_seconds": build_s, "prompt_len": prompt_len,
-                 "new_tokens": new_tokens, "draft_length": draft_length, "draft_vocab_size": dv},
+                 "new_tokens": new_tokens, "draft_length": draft_length, "draft_vocab_size": dv,
+                 **({"sampling": sampling} if sampling is not None else {})},
         "verify_cost_ms": {str(n): 1e3 * s for n, s in zip(cost.sizes, cost.seconds)},
         "plain_ms_per_token": plain_ms,
         "budgets": rows,
@@ -146,8 +146,22 @@ def run_synthetic(
     return results
 
 
+def _generate(target, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`target.generate(ids, **kwargs)`, seeded first when it samples (one seed for every call: plain and DART
+    decode from the same random state, as the real-model bench's methods do on a prompt)."""
+    seed_call(kwargs, "synthetic")
+    return target.generate(ids, **kwargs)
+
+
+def _equal(out: torch.Tensor, ref: torch.Tensor, gen: dict) -> bool | None:
+    """Whether two greedy outputs are equal; None when sampling (sampled texts differ by method)."""
+    return None if gen.get("do_sample") else bool(torch.equal(out, ref))
+
+
 def _timed_generate(target, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, float]:
-    """(output, wall seconds) of one `generate` call, with device syncs around it."""
+    """(output, wall seconds) of one `generate` call (`_generate`: seeded when sampling, outside the timed part),
+    with device syncs around it."""
+    seed_call(kwargs, "synthetic")
     sync_device(ids.device)
     start = time.perf_counter()
     out = target.generate(ids, **kwargs)
@@ -190,15 +204,15 @@ def _synthetic_compiled(target, head, ids: torch.Tensor, gen: dict, budgets, pla
             for b in tqdm(budgets, desc="synthetic compiled budgets", disable=not progress)]
     return {"backend": backend, "plain_step_ms": plain_step_ms, "plain_ms_per_token": 1e3 * seconds
             / (out.shape[1] - ids.shape[1]), "plain_first_call_seconds": plain_compile_s,
-            "plain_equal_to_eager": bool(torch.equal(out, plain_out)), "budgets": rows}
+            "plain_equal_to_eager": _equal(out, plain_out, gen), "budgets": rows}
 
 
 def _synthetic_compiled_row(target, head, ids: torch.Tensor, run: dict, plain_step_ms: float,
                             plain_out: torch.Tensor, split: bool) -> dict:
-    """One budget's compiled DART step: its wall time (the captured greedy step), then, with `split` (the largest
-    budget only: three more graphs to compile, minutes each on a large target), with `dart_timing=True` (its parts
-    captured and timed one by one: draft = head forward + tree search, verify, accept). Each variant's first call
-    compiles, untimed."""
+    """One budget's compiled DART step: its wall time (the captured step, greedy or sampled), then, with `split`
+    (the largest budget only: three more graphs to compile, minutes each on a large target), with `dart_timing=True`
+    (its parts captured and timed one by one: draft = head forward + tree search, verify, accept). Each variant's
+    first call compiles, untimed."""
     _, first_s = _timed_generate(target, ids, **run)
     out, wall = _timed_generate(target, ids, **run)
     stats = head.stats
@@ -220,14 +234,23 @@ def _synthetic_compiled_row(target, head, ids: torch.Tensor, run: dict, plain_st
         "head_and_tree_share": phase_ms["draft"] / total if total else float("nan"),
         "first_call_seconds": first_s,
         "timing_first_call_seconds": timing_first_s,
-        "output_equal_to_plain": bool(torch.equal(out, plain_out)),
+        "output_equal_to_plain": _equal(out, plain_out, run),
     }
+
+
+def _yes_no(equal: bool | None) -> str:
+    """An "equal to plain" cell: yes, no, or not compared (None: a sampled run)."""
+    return NOT_COMPARED if equal is None else "yes" if equal else "no"
 
 
 def synthetic_markdown(results: dict) -> str:
     meta = results["meta"]
+    sampling = meta.get("sampling")
     lines = [
-        "# dart-hf bench --synthetic", "",
+        f"# dart-hf bench --synthetic, sampling ({sampling_text(sampling)})" if sampling
+        else "# dart-hf bench --synthetic", "",
+        *([f"Every `generate` call samples ({sampling_text(sampling)}), seeded with one torch seed right before it; "
+           "outputs are not compared with plain's (sampled texts differ by method).", ""] if sampling else []),
         f"Random target of shape {meta['shape']} in {meta['dtype']} ({meta['attn_implementation']}) on "
         f"{meta['device']}; prompt {meta['prompt_len']} tokens; {meta['new_tokens']} new tokens; torch "
         f"{meta['torch']}, transformers {meta['transformers']}. Plain decoding: "
@@ -246,10 +269,11 @@ def synthetic_markdown(results: dict) -> str:
         lines.append(f"| {r['node_budget']} | {r['step_ms_wall']:.2f} | {phases} | "
                      f"{100 * r['head_and_tree_share']:.0f}% | {100 * r['overhead_share']:.0f}% | "
                      f"{r['break_even_accepted_length']:.2f} | {r['projected_speedup_at_3.7']:.2f}x |")
-    equal = all(r["output_equal_to_plain"] for r in results["budgets"])
-    lines += ["", f"Outputs equal to plain generate at every budget: {'yes' if equal else 'no'} "
-              "(random bf16 weights give near-tied logits; batched and one-token kernels may round differently).",
-              ""]
+    equals = [r["output_equal_to_plain"] for r in results["budgets"]]
+    equal = None if None in equals else all(equals)
+    why = "" if equal is None else (" (random bf16 weights give near-tied logits; batched and one-token kernels may "
+                                    "round differently)")
+    lines += ["", f"Outputs equal to plain generate at every budget: {_yes_no(equal)}{why}.", ""]
     return "\n".join(lines + _synthetic_compiled_lines(results.get("compiled")))
 
 
@@ -260,7 +284,7 @@ def _synthetic_compiled_lines(c: dict | None) -> list[str]:
     lines = [f"## Static cache + torch.compile ({c['backend']})", "",
              f"Plain `generate`: {c['plain_step_ms']:.2f} ms per decoding step ({c['plain_ms_per_token']:.2f} ms per "
              f"token with the prefill; first call {c['plain_first_call_seconds']:.1f} s; output equal to plain eager: "
-             f"{'yes' if c['plain_equal_to_eager'] else 'no'}).", ""]
+             f"{_yes_no(c['plain_equal_to_eager'])}).", ""]
     by_budget = {r["node_budget"]: r for r in c["budgets"]}
     headline = by_budget.get(60) or by_budget[max(by_budget)]
     lines += [f"**{headline['node_budget']}-node DART compiled step / plain compiled step: "
@@ -270,12 +294,12 @@ def _synthetic_compiled_lines(c: dict | None) -> list[str]:
               "head + tree share | first call s | equal to plain |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in c["budgets"]:
         ph = r["phase_ms"]
-        equal = "yes" if r["output_equal_to_plain"] else "no"
+        equal = _yes_no(r["output_equal_to_plain"])
         note = "" if r["compiled"] else f" (not compiled: {r['static_reason']})"
         lines.append(f"| {r['node_budget']}{note} | {r['step_ms']:.2f} | {r['step_over_plain_compiled_step']:.2f} | "
                      f"{fmt(ph['draft'])} | {fmt(ph['verify'])} | {fmt(ph['accept'])} | "
                      f"{fmt(100 * r['head_and_tree_share'], '.0f')}% | {r['first_call_seconds']:.1f} | {equal} |")
-    return lines + ["", "Step ms: the captured greedy step's wall time per step (prefill excluded); the split comes "
+    return lines + ["", "Step ms: the captured step's wall time per step (prefill excluded); the split comes "
                     "from a second run with `dart_timing=True` at the largest budget (the step's parts captured and "
                     "timed one by one: three graphs, so their sum differs from the one-graph step). First call s: the "
                     "untimed call that compiles.", ""]

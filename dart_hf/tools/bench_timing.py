@@ -4,6 +4,9 @@
 data set and method the tokens/s, speed-ups over plain (median and spread over runs), accepted length and step
 breakdown (`_summarise`). Apart from the command (`bench`) and the reports (`bench_report`): what each number means is
 decided here, in one place, and the reports only format the results dict this returns.
+When `gen` samples (`do_sample`: `bench_methods.sampling_kwargs`), every call is seeded right before it
+(`bench_methods.seed_call`: the same seed for every method on a prompt or batch) and outputs are not compared with
+plain's (sampled texts differ by method): `equal_to_plain` and `all_equal` are None, "not compared".
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .bench_methods import Method
+from .bench_methods import Method, call_seed, seed_call
 
 PHASES = ("draft", "tree", "verify", "accept")
 STEP = "step"  # the static greedy step, captured whole: its time is one phase (`DartStats.time["step"]`)
@@ -113,6 +116,7 @@ def run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, 
             first = next(p for ps in prompts.values() for p in ps).to(target.device)
             for m in methods:
                 if not m.compiled:
+                    seed_call(gen, "warm-up")
                     m.run(target, head, first, **{**gen, "max_new_tokens": min(16, max_new_tokens)})
         tallies, mismatches = [], []
         for run in range(runs):
@@ -125,11 +129,18 @@ def run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, 
                  "prompts": {ds: len(ps) for ds, ps in prompts.items()}, "runs": runs, "competing_load": load,
                  "verify_curve": None if curve is None else curve.path},
         "methods": {m.name: m.label for m in methods},
-        "datasets": {ds: _summarise([t[ds] for t in tallies], methods) for ds in prompts},
+        "datasets": {ds: _summarise([t[ds] for t in tallies], methods, _compares(gen)) for ds in prompts},
         "compile_warmup": compile_seconds,
         "mismatches": mismatches,
-        "all_equal": not mismatches,
+        "all_equal": not mismatches if _compares(gen) else None,
     }
+
+
+def _compares(gen: dict) -> bool:
+    """Whether outputs are compared with plain's: greedy only (a sampled output depends on how a method consumes
+    the random stream: prompt lookup, chain and tree draw differently from plain `generate`, so equal distributions
+    still give different texts from the same seed)."""
+    return not gen.get("do_sample")
 
 
 def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]], methods: list[Method], gen: dict,
@@ -145,6 +156,7 @@ def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]]
         times = []
         for ids, mask in tqdm(order, desc=f"compile {m.name}", unit="call", disable=not progress):
             ids, mask = ids.to(target.device), mask.to(target.device)
+            seed_call(gen, "warm-up")
             sync_device(ids.device)
             start = time.perf_counter()
             m.run(target, head, ids, attention_mask=mask, **gen)
@@ -176,14 +188,17 @@ def _one_pass(target, head, prompts, methods, gen, progress, label) -> tuple[dic
                 ref = None
                 for m in methods:
                     tally = tallies[ds][m.name]
+                    seed_call(gen, ds, i)  # outside the timed call: every method starts this prompt from one seed
                     out, seconds = _timed_run(m, target, head, ids, torch.ones_like(ids), gen, counter, tally)
                     new = out.shape[1] - ids.shape[1]
                     tally.new_tokens += new
                     row = {"prompt": i, "prompt_tokens": ids.shape[1], "new_tokens": new, "seconds": seconds,
                            "forwards": counter.count}
+                    if not _compares(gen):
+                        row["seed"] = call_seed(ds, i)
                     if ref is None:
                         ref = out
-                    elif not torch.equal(out, ref):
+                    elif _compares(gen) and not torch.equal(out, ref):
                         where = _first_difference(out, ref) - ids.shape[1]  # index among the new tokens
                         tally.mismatches += 1
                         row["mismatch_at"] = where
@@ -285,6 +300,7 @@ def run_batched(target, head, prompts, methods, gen, batch_sizes, warmup, progre
                 ids, mask = left_pad(ps[: b], pad_id)
                 for m in per_size[b]:
                     if not m.compiled:
+                        seed_call(gen, "warm-up")
                         m.run(target, head, ids.to(target.device), attention_mask=mask.to(target.device),
                               **{**gen, "max_new_tokens": min(8, gen["max_new_tokens"])})
         tallies, mismatches = [], []
@@ -300,11 +316,11 @@ def run_batched(target, head, prompts, methods, gen, batch_sizes, warmup, progre
                  "skipped_for_batches": skipped},
         "methods": {m.name: m.label for m in methods},
         "batch_sizes": batch_sizes,
-        "batches": {ds: {str(b): _summarise([t[(ds, b)] for t in tallies], per_size[b]) for b in batch_sizes}
-                    for ds in prompts},
+        "batches": {ds: {str(b): _summarise([t[(ds, b)] for t in tallies], per_size[b], _compares(gen))
+                         for b in batch_sizes} for ds in prompts},
         "compile_warmup": compile_seconds,
         "mismatches": mismatches,
-        "all_equal": not mismatches,
+        "all_equal": not mismatches if _compares(gen) else None,
     }
 
 
@@ -326,15 +342,18 @@ def _batch_pass(target, head, prompts, groups, per_size, gen, pad_id, progress, 
                 ref = None
                 for m in per_size[b]:
                     tally = tallies[(ds, b)][m.name]
+                    seed_call(gen, ds, f"b{b}", i)
                     out, seconds = _timed_run(m, target, head, ids, mask, gen, counter, tally)
                     counts = new_token_counts(out, ids.shape[1], eos)
                     new = sum(counts)
                     tally.new_tokens += new
                     entry = {"batch": i, "prompts": rows, "batch_size": len(rows), "prompt_tokens": ids.shape[1],
                              "new_tokens": new, "seconds": seconds, "forwards": counter.count}
+                    if not _compares(gen):
+                        entry["seed"] = call_seed(ds, f"b{b}", i)
                     if ref is None:
                         ref, ref_counts = out, counts
-                    else:
+                    elif _compares(gen):
                         bad = _row_differences(out, ref, ids.shape[1])
                         if bad:
                             tally.mismatches += 1
@@ -343,7 +362,7 @@ def _batch_pass(target, head, prompts, groups, per_size, gen, pad_id, progress, 
                             mismatches.append({"dataset": ds, "batch_size": b, "batch": i, "row": r,
                                                "prompt": rows[r], "method": m.name, "first_difference": where,
                                                "new_tokens": counts[r], "reference_new_tokens": ref_counts[r]})
-                    entry["rows_compared"] = len(rows) if ref is not out else 0
+                    entry["rows_compared"] = len(rows) if ref is not out and _compares(gen) else 0
                     tally.per_prompt.append(entry)
     finally:
         counter.remove()
@@ -380,9 +399,10 @@ def _ratios(runs: list[dict[str, _Tally]], merged: dict[str, _Tally], name: str,
             f"{key}_median": statistics.median(per_run), f"{key}_spread": [min(per_run), max(per_run)]}
 
 
-def _summarise(runs: list[dict[str, _Tally]], methods: list[Method]) -> dict:
+def _summarise(runs: list[dict[str, _Tally]], methods: list[Method], compared: bool = True) -> dict:
     """One row per method over all runs (tokens/s of all runs together), with each run's speedup over plain (and
-    over the method's `baseline`, when it has one: `speedup_vs_baseline`)."""
+    over the method's `baseline`, when it has one: `speedup_vs_baseline`). `compared`: outputs were compared with
+    plain's (greedy); when not (sampling), `equal_to_plain` and `mismatched_prompts` are None."""
     def merged(name: str) -> _Tally:
         out = _Tally()
         for run in runs:
@@ -410,8 +430,8 @@ def _summarise(runs: list[dict[str, _Tally]], methods: list[Method]) -> dict:
             "new_tokens": t.new_tokens,
             "seconds": t.seconds,
             "target_forwards": t.forwards,
-            "equal_to_plain": t.mismatches == 0,
-            "mismatched_prompts": t.mismatches,
+            "equal_to_plain": t.mismatches == 0 if compared else None,
+            "mismatched_prompts": t.mismatches if compared else None,
             "per_prompt": t.per_prompt,
         }
         if m.baseline in tallies:
