@@ -1,5 +1,6 @@
-"""Batched DART (left-padded rows, one tree per row, one verify forward): the output of plain batched `generate`,
-row by row, token for token, on tiny random targets."""
+"""Batched DART (left-padded rows, one tree per row, one verify forward): greedy, the output of plain batched
+`generate`, row by row, token for token, on tiny random targets; sampled, the same batch for a seed at every budget
+(0 included) and backend, each row following the target's distribution."""
 
 from __future__ import annotations
 
@@ -316,51 +317,62 @@ def test_stop_strings_per_row(static):
 
 # ---------------------------------------------------------------------------------------------- sampling
 def test_sampling_same_seed_same_batch(llama_ngram):
+    """The same seed gives the same batch, the batch of budget 0 (plain decoding in DART's loop, DART's draws);
+    another seed another batch."""
     target, head = llama_ngram
     ids, mask = left_pad(batch_prompts(4, seed=31))
     kw = dict(attention_mask=mask, assistant_model=head, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=30)
     runs = []
-    for seed in (5, 5, 6):
+    for seed, extra in ((5, {}), (5, {}), (6, {}), (5, dict(dart_node_budget=0))):
         torch.manual_seed(seed)
-        runs.append(target.generate(ids, **kw))
-    assert torch.equal(runs[0], runs[1])
+        runs.append(target.generate(ids, **kw, **extra))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[3])
     assert not torch.equal(runs[0], runs[2])
 
 
 def test_sampled_batch_text_does_not_depend_on_the_trees(llama_ngram):
-    """Each row of a sampled batch draws from its own stream: the same seed gives the same text whatever budgets the
-    cost-aware rule picks (they depend on measured times), here two scripted budget sequences."""
+    """Each row of a sampled batch draws with its own seed, by token position: the same seed gives the same text
+    whatever budgets the cost-aware rule picks (they depend on measured times), here two scripted budget sequences,
+    as at budget 0 and on the static step (a sampled batch with the generation config's processors takes it)."""
     from conftest import scripted_budgets
 
     target, head = llama_ngram
     ids, mask = left_pad(batch_prompts(4, seed=31))
-    kw = dict(attention_mask=mask, assistant_model=head, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=30,
-              dart_node_budget="auto")
+    kw = dict(attention_mask=mask, assistant_model=head, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=30)
     outs = []
     for script in ([3, 0, 3, 3], [0, 3, 0, 0]):
         state, _ = scripted_budgets(target, head, script)
         torch.manual_seed(5)
         stats = DartStats()
-        outs.append(target.generate(ids, dart_stats=stats, dart_budget_state=state, **kw))
+        outs.append(target.generate(ids, dart_stats=stats, dart_budget_state=state, dart_node_budget="auto", **kw))
         assert set(stats.node_budgets) == {0, 3}
-    assert torch.equal(outs[0], outs[1])
+    for extra in (dict(dart_node_budget=0), dict(dart_node_budget=3, cache_implementation="static",
+                                                 disable_compile=True)):
+        torch.manual_seed(5)
+        stats = DartStats()
+        outs.append(target.generate(ids, dart_stats=stats, **kw, **extra))
+        assert stats.acceptance == "device" and stats.static == ("cache_implementation" in extra), stats.static_reason
+    for out in outs[1:]:
+        assert torch.equal(outs[0], out)
 
 
-def biased_walk(tree, logits, input_ids, logits_processor, do_sample, generator=None):
-    """Accept the first drafted child whenever the target gives it any mass: NOT exact sampling."""
-    from dart_hf.core.acceptance import Accepted
+_accept_depthwise = acceptance.accept_depthwise
 
-    path, node = [0], 0
-    processed = logits_processor(input_ids, logits[:1].clone())
-    children = ((tree.parents == node) & (torch.arange(tree.size) > 0)).nonzero().view(-1)
-    if children.numel() and processed[0, tree.tokens[children[0]]] > float("-inf"):
-        path.append(int(children[0]))
-        token = tree.tokens[children[0]].view(1)
-    else:
-        token = torch.multinomial(torch.softmax(processed, -1), 1).view(1)
-    return Accepted(path=torch.tensor(path), tokens=token if len(path) == 1 else
-                    torch.cat([token, logits[path[-1]].argmax().view(1)]), scores=processed.expand(len(path), -1),
-                    logits=logits[path])
+
+def biased_depthwise(trees, logits, m, processors, context, seeds, positions, keep_scores=False):
+    """The device walk, except that a row whose root has a drafted child accepts the first one whatever the target
+    draws there (then takes the target's greedy token after it): NOT exact sampling."""
+    step = _accept_depthwise(trees, logits, m, processors, context, seeds, positions, keep_scores)
+    rows, n = trees.tokens.shape
+    children = trees.real & (trees.parents == 0) & (torch.arange(n, device=logits.device) > 0)
+    has = children.any(dim=1)
+    child = children.long().argmax(dim=1)
+    bonus = logits[torch.arange(rows), child].argmax(dim=-1)
+    forced_paths = torch.stack([torch.zeros_like(child)] + [child] * (m - 1), dim=1)
+    forced_tokens = torch.stack([trees.tokens.gather(1, child.unsqueeze(1)).squeeze(1)] + [bonus] * (m - 1), dim=1)
+    return acceptance.BatchAccepted(torch.where(has.unsqueeze(1), forced_paths, step.paths),
+                                    torch.where(has, 2, step.lengths),
+                                    torch.where(has.unsqueeze(1), forced_tokens, step.tokens), step.scores, step.logits)
 
 
 def second_token_counts(target, head, ids, mask, n: int) -> torch.Tensor:
@@ -368,9 +380,11 @@ def second_token_counts(target, head, ids, mask, n: int) -> torch.Tensor:
     children (three new tokens: the first step's tree may hold a child)."""
     counts = torch.zeros(ids.shape[0], target.config.vocab_size)
     torch.manual_seed(0)
+    stats = DartStats()
     for _ in range(n):
         out = target.generate(ids, attention_mask=mask, assistant_model=head, do_sample=True, temperature=0.9,
-                              top_k=0, max_new_tokens=3)
+                              top_k=0, max_new_tokens=3, dart_stats=stats)
+        assert stats.acceptance == "device"  # the walk `biased_depthwise` replaces
         counts[torch.arange(ids.shape[0]), out[:, ids.shape[1] + 1]] += 1
     return counts
 
@@ -388,7 +402,7 @@ def test_sampling_distribution_per_row(monkeypatch):
     counts = second_token_counts(target, head, ids, mask, 400)
     for r in range(2):
         assert chi2(counts[r], exact[r]) < CHI2_999[7], f"row {r}"
-    monkeypatch.setattr(acceptance, "accept_walk", biased_walk)
+    monkeypatch.setattr(acceptance, "accept_depthwise", biased_depthwise)
     counts = second_token_counts(target, head, ids, mask, 400)
     assert max(chi2(counts[r], exact[r]) for r in range(2)) > CHI2_999[7], "the test cannot see a biased walk"
 

@@ -1,8 +1,8 @@
 """Behaviours the docs state in numbers (docs/TARGETS.md "Per dtype"): with `return_dict_in_generate`, DART's
 `output_scores` / `output_logits` are plain `generate`'s up to rounding, a few parts in a million of the largest
 logit (a verify over N tokens sums in another order than one-token decoding), in tree and chain mode, while the
-sequences are equal. The seeded-sampling claims (tree mode: plain `generate`'s text) are tests/test_lossless.py
-case 3."""
+sequences are equal. The seeded-sampling claims (tree mode: a seed gives the same text at every node budget, 0 included;
+not plain `generate`'s draws) are tests/test_lossless.py case 3."""
 
 from __future__ import annotations
 

@@ -1,7 +1,12 @@
-"""The lossless contract in one place: `target.generate(**inputs, assistant_model=head)` returns exactly what plain
-`generate` returns with the same arguments (and, when sampling, the same seed), token for token.
+"""The lossless contract in one place: greedy, `target.generate(**inputs, assistant_model=head)` returns exactly what
+plain `generate` returns with the same arguments, token for token. Sampling, DART draws every token (the first
+included) by Gumbel-max with noise hashed from a per-row seed (drawn from torch's generator once per call) and the
+token's position (`dart_hf.core.acceptance`): the same seed gives the same text at every node budget, 0 (plain
+decoding inside DART's loop) included, but not plain `generate`'s text (that draws one `torch.multinomial` per
+token: the distribution is the same, not the draws; exact in distribution: test_sampling.py). So sampled cases
+compare DART with DART at `dart_node_budget=0`, same seed and arguments.
 
-Every case compares DART with plain `generate` on one session target (conftest `tiny_target`); plain references are
+Greedy cases compare DART with plain `generate` on one session target (conftest `tiny_target`); plain references are
 computed once per session and shared by the cases that make the same call. Prompts are the random ones whose plain
 text varies most (a random target's greedy text often repeats one token). The heads are random; in the cases marked
 (oracle) their draft logits are replaced by noise plus a bump at the reference text's next tokens (`noisy_oracle`, the
@@ -31,16 +36,19 @@ Cases (pytest ids in brackets):
    assisted loop, which chain mode runs, checks stopping criteria once per step and would pass over a stop inside a
    chain, and runs processors on rejected drafts too.
    `test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_them[do_sample-budget]` (oracle): a
-   processor and a criterion that count their calls, greedy / sampled x fixed / auto: same text, same criterion
-   calls.
-3. `test_seeded_sampling[setting-budget]` (oracle): tree mode, a soft target, 32 tokens: the same seed gives plain
-   `generate`'s tokens, with temperature 1 / top_k 0 at fixed budgets 1, 3, 12, 40 and auto (the text does not depend
-   on the budget), with temperature 0.7 + top_k 20 + top_p 0.9 and temperature 0.9 + repetition penalty 1.3 at
-   budget 12 and auto, and SynthID watermarking at budget 12; 4 prompts at budget 12, 2 otherwise; another seed
-   gives another text.
-   `test_seeded_sampling_across_architectures[arch]`: temperature 0.8, 32 tokens, the random head's own drafts, on the
-   7 architectures of case 1. (Chain mode samples with transformers' speculative sampling: exact in distribution, not
-   seed for seed.)
+   processor and a criterion that count their calls, greedy / sampled x fixed / auto: same text (greedy: as plain
+   `generate`; sampled: as DART at budget 0 with the same seed), same criterion calls.
+3. `test_seeded_sampling[setting-budget]` (oracle): tree mode, a soft target, 32 tokens: the same seed gives the
+   tokens of DART at budget 0 (plain decoding in DART's loop), with temperature 1 / top_k 0 at fixed budgets 1, 3,
+   12, 40 and auto (the text does not depend on the budget), with temperature 0.7 + top_k 20 + top_p 0.9 and
+   temperature 0.9 + repetition penalty 1.3 at budget 12 and auto (these run the device walk), and SynthID
+   watermarking at budget 12 (the per-row host walk); 4 prompts at budget 12, 2 otherwise; another seed gives another
+   text, and the text is not plain `generate`'s for the same seed.
+   `test_seeded_sampling_across_architectures[arch]`: temperature 0.8, 32 tokens, the random head's own drafts at 16
+   nodes against budget 0, on the 7 architectures of case 1. (Chain mode samples with transformers' speculative
+   sampling: exact in distribution, not seed for seed.)
+   `test_a_sampled_call_draws_one_seed_per_row_from_torch`: whatever the text's length or stop, a sampled call
+   advances torch's generator by exactly one `torch.randint(0, 2**31 - 1, (rows,))`.
 4. `test_entry_points[entry]`: `pipeline(..., assistant_model=head)` at construction (the head or its folder) and at
    call time, `generate(custom_generate=dart_hf.dart_decode, dart_head=head)`, one head reused across calls and two
    targets.
@@ -329,19 +337,20 @@ def test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_t
                                                                                      do_sample, budget):
     """Tree mode on one row calls the processors once per new token in order (the last step may also process the
     tokens after the stop, which it drops) and the stopping criteria once per new token until the stop, as plain
-    `generate` does: the same text, the same number of criterion calls."""
+    `generate` does: the same number of criterion calls, and the same text (greedy: plain `generate`'s; sampled:
+    DART's at budget 0 with the same seed, which is plain decoding with DART's draws)."""
     target = tiny_target("llama")
     vocab = target.config.vocab_size
     texts = varied_prompts(plain, "llama", 2, vocab)
     frees = [plain("llama", ids, do_sample=False, max_new_tokens=30) for ids in texts]
     head = budget_for(target, drafting_head(target, frees), budget)
 
-    def counted(ids, seed: int, reference=None):
+    def counted(ids, seed: int, reference=None, **extra):
         """(output, accepted lengths, (processor calls, criterion calls)): plain `generate` without a reference,
         DART drafting towards it with one."""
         processor, criterion = CountingBias(vocab), StopAfterCalls(21)
         kw = dict(do_sample=do_sample, max_new_tokens=30, logits_processor=LogitsProcessorList([processor]),
-                  stopping_criteria=StoppingCriteriaList([criterion]))
+                  stopping_criteria=StoppingCriteriaList([criterion]), **extra)
         torch.manual_seed(seed)
         if reference is None:
             out, lengths = target.generate(ids, **kw), []
@@ -352,10 +361,13 @@ def test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_t
     accepted = []
     for seed, ids in enumerate(texts):
         ref, _, plain_calls = counted(ids, seed)
+        if do_sample:  # DART's own draws: the reference is DART at budget 0, same seed (its calls are plain's)
+            ref, _, zero_calls = counted(ids, seed, reference=ref, dart_node_budget=0)
+            assert zero_calls == plain_calls, (plain_calls, zero_calls)
         out, lengths, dart_calls = counted(ids, seed, reference=ref)
         accepted += lengths
         assert ref.shape[1] == ids.shape[1] + 21, "the criterion must end the text"
-        assert torch.equal(out, ref), f"prompt {seed}: DART diverged from plain generate"
+        assert torch.equal(out, ref), f"prompt {seed}: DART diverged from its reference"
         assert dart_calls[1] == plain_calls[1] and dart_calls[0] >= plain_calls[0], (plain_calls, dart_calls)
     assert max(accepted) > 1, "no draft token was accepted: the case did not exercise tree acceptance"
 
@@ -376,36 +388,78 @@ SAMPLING_CASES = [("temperature_1", b) for b in (1, 3, 12, 40, "auto")] + [
 
 @pytest.mark.parametrize("setting, budget", SAMPLING_CASES)
 def test_seeded_sampling(tiny_target, plain, budget_for, setting, budget):
-    """One multinomial per new token over the target's processed distribution, as plain `generate` draws it."""
+    """The same seed gives the same text at budget `budget` as at budget 0 (plain decoding in DART's loop, the same
+    draws): each token is drawn from the target's processed distribution with noise given by the seed and its
+    position, whatever tree the step verified. Not plain `generate`'s text (its draws are others)."""
     target = tiny_target("soft_llama")
     head = budget_for(target, make_head(target, tree_top_k=16, beam_width=8), "auto" if budget == "auto" else "fixed")
     kw = dict(do_sample=True, max_new_tokens=32, **SAMPLING[setting])
     if budget != "auto":
         kw["dart_node_budget"] = budget
-    accepted = []
+    accepted, plain_texts = [], []
     for seed, ids in enumerate(prompts(4 if budget == 12 else 2, seed=43)):
-        ref = plain("soft_llama", ids, seed=seed, do_sample=True, max_new_tokens=32, **SAMPLING[setting])
+        torch.manual_seed(seed)
+        stats = dart_hf.DartStats()
+        ref = dart(target, head, ids, **{**kw, "dart_node_budget": 0}, dart_stats=stats)[0]
+        assert stats.acceptance == ("walk" if setting == "synthid_watermark" else "device"), stats.acceptance
         torch.manual_seed(seed)
         out, lengths = dart(target, head, ids, reference=ref, **kw)
-        assert torch.equal(out, ref), f"seed {seed}: DART sampled another text than plain generate"
+        assert torch.equal(out, ref), f"seed {seed}: DART at budget {budget} sampled another text than at budget 0"
         accepted += lengths
+        plain_texts.append(plain("soft_llama", ids, seed=seed, **{k: v for k, v in kw.items() if k[:5] != "dart_"}))
     assert max(accepted) > 1, (accepted, head.stats["node_budgets"])
     torch.manual_seed(99)
     assert not torch.equal(dart(target, head, ids, **kw)[0], ref)  # the seed matters
+    # the same distribution as plain `generate`, not its draws (a 32-token soft text equal by chance: never)
+    assert not torch.equal(ref, plain_texts[-1]), "DART sampled plain generate's text: the draws are not DART's"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_seeded_sampling_across_architectures(tiny_target, plain, arch):
+def test_seeded_sampling_across_architectures(tiny_target, arch):
     """Temperature 0.8, same seed, on every architecture of case 1 (sliding windows included), with the random
-    head's own drafts."""
+    head's own drafts at 16 nodes: the text of budget 0."""
     target = tiny_target(arch)
     head = make_head(target, tree_top_k=16, beam_width=8, node_budget=16)
     vocab = target.config.get_text_config().vocab_size
     kw = dict(do_sample=True, temperature=0.8, top_k=0, max_new_tokens=32)
     for seed, ids in enumerate(prompts(1, vocab=vocab, seed=11)):
-        ref = plain(arch, ids, seed=seed, **kw)
+        torch.manual_seed(seed)
+        ref = dart(target, head, ids, dart_node_budget=0, **kw)[0]
         torch.manual_seed(seed)
         assert torch.equal(dart(target, head, ids, **kw)[0], ref), f"seed {seed}"
+
+
+@pytest.mark.parametrize("stop", ["eos_mid_path", "max_new_tokens"])
+def test_a_sampled_call_draws_one_seed_per_row_from_torch(tiny_target, stop):
+    """torch's generator after a sampled DART call: one `torch.randint(0, 2**31 - 1, (rows,))` past the seed, whether
+    the call ran to max_new_tokens or stopped on an EOS inside an accepted path (drafting towards the free text)."""
+    target = tiny_target("soft_llama")
+    head = make_head(target, tree_top_k=16, beam_width=8, node_budget=12)
+    ids = prompts(1, seed=43)[0]
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, max_new_tokens=32, eos_token_id=None)
+    torch.manual_seed(7)
+    free = dart(target, head, ids, **kw)[0]
+    torch.manual_seed(7)
+    _, steps = dart(target, head, ids, reference=free, **kw)  # the tokens each step appends, towards the free text
+    if stop == "eos_mid_path":
+        new = free[0, ids.shape[1]:].tolist()
+        inside, end = [], 1  # new tokens inside a step's path, not its last, the first of their kind
+        for n in steps:
+            inside += [i for i in range(end, end + n - 1) if new[i] not in new[:i]]
+            end += n
+        at = inside[-1]
+        kw.update(eos_token_id=new[at], pad_token_id=2)
+    torch.manual_seed(7)
+    out, lengths = dart(target, head, ids, reference=free, **kw)
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    torch.randint(0, 2**31 - 1, (1,))
+    assert torch.equal(after, torch.get_rng_state()), "the call drew from torch's generator more than its seeds"
+    if stop == "eos_mid_path":
+        assert torch.equal(out, free[:, : ids.shape[1] + at + 1]), "the EOS did not end the text there"
+        assert lengths[:-1] == steps[: len(lengths) - 1] and lengths[-1] < steps[len(lengths) - 1], (lengths, steps)
+    else:
+        assert torch.equal(out, free) and max(lengths) > 1
 
 
 # ------------------------------------------------------------------------------------------------ 4. entry points

@@ -41,10 +41,9 @@ def test_first_and_second_token_distribution_of_the_walk():
     p_root = torch.softmax(procs(ids, logits[0:1].clone())[0], -1)
     p_after_2 = torch.softmax(procs(torch.tensor([[1, 2]]), logits[1:2].clone())[0], -1)
     first, second_given_2 = torch.zeros(vocab), torch.zeros(vocab)
-    gen = torch.Generator().manual_seed(1)
     n = 6000
-    for _ in range(n):
-        acc = accept_walk(tree, logits, ids, procs, do_sample=True, generator=gen)
+    for s in range(n):  # a seed per walk: the noise of (seed, position, token) is uniform across seeds
+        acc = accept_walk(tree, logits, ids, procs, seed=torch.tensor([s]), position=ids.shape[1])
         first[acc.tokens[0]] += 1
         if acc.tokens[0] == 2:
             second_given_2[acc.tokens[1]] += 1

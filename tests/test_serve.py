@@ -287,12 +287,31 @@ def test_concurrent_clients_each_get_their_own_answer(smollm2_servers, plain_ans
     assert answers == [plain_answers[text] for text in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def smollm2_fixed_budget_server(tmp_path_factory):
+    """A DART server whose head is the shipped one with a fixed tree of 15 nodes (the shipped head's budget is the
+    cost-aware one, a few nodes on a CPU)."""
+    import dart_hf
+    from dart_hf.tools.assets import shipped_head
+
+    root = tmp_path_factory.mktemp("smollm2-fixed-budget")
+    head = dart_hf.DartHead.from_pretrained(shipped_head())
+    head.config.node_budget = 15
+    head.save_pretrained(root / "head")
+    with serving(([SMOLLM2, "--head", str(root / "head")], root / "dart.log", SMOLLM2)) as (server,):
+        yield server
+
+
 @pytest.mark.slow
-def test_seeded_sampling_is_the_plain_servers(smollm2_servers):
-    """The request's seed and sampling settings: in tree mode the same seed draws plain decoding's text."""
-    dart, plain = smollm2_servers
+def test_seeded_sampling_does_not_depend_on_the_node_budget(smollm2_servers, smollm2_fixed_budget_server):
+    """The request's seed and sampling settings reach DART: a seed draws DART's text (the distribution of plain
+    decoding, not its draws), the same at every node budget: the cost-aware server and a fixed 15-node one answer
+    alike, and the same server answers the same seed alike again."""
+    dart, fixed = smollm2_servers[0], smollm2_fixed_budget_server
     options = dict(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, extra_body=SAMPLING)
-    assert dart.chat(PROMPTS[1], **options) == plain.chat(PROMPTS[1], **options)
+    answer = dart.chat(PROMPTS[1], **options)
+    assert answer and answer == fixed.chat(PROMPTS[1], **options) == dart.chat(PROMPTS[1], **options)
+    assert "node budget fixed (15 last)" in stats_lines(fixed.log())[-1], fixed.log()[-2000:]
 
 
 @pytest.mark.slow

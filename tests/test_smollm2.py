@@ -45,18 +45,19 @@ def test_shipped_head_is_lossless_and_accepts_multiple_tokens(smollm2, shipped_h
 
 
 def test_sampling_and_streaming_on_the_real_target(smollm2, shipped_head):
-    """Seeded sampling gives plain `generate`'s text, and the streamer prints exactly the new tokens."""
+    """Seeded sampling with the cost-aware budget gives the text of budget 0 (plain decoding in DART's loop, DART's
+    draws: not plain `generate`'s), and the streamer prints exactly the new tokens."""
     from transformers import TextIteratorStreamer
 
     target, tok = smollm2
     ids = eval_prompts(tok, "sharegpt", 1)[0]
     kw = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=24)
     torch.manual_seed(0)
-    ref = target.generate(ids, **kw)
+    ref = target.generate(ids, assistant_model=shipped_head, dart_node_budget=0, **kw)
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
     torch.manual_seed(0)
     out = target.generate(ids, assistant_model=shipped_head, streamer=streamer, **kw)
-    assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+    assert torch.equal(out, ref), (tok.decode(out[0, ids.shape[1]:]), tok.decode(ref[0, ids.shape[1]:]))
     text = "".join(streamer)
     assert text.strip() and text == tok.decode(out[0, ids.shape[1]:])
 

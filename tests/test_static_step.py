@@ -1,7 +1,7 @@
-"""The static-cache step (`cache_implementation="static"`, `dart_hf.core.static_step`): lossless against plain
-`generate` (greedy token for token, seeded sampling the same text), fixed shapes that `torch.compile` captures whole
-(fullgraph, no recompilation across steps and calls), one host sync per greedy step, and the calls it cannot take
-running the eager loop with the reason in the stats.
+"""The static-cache step (`cache_implementation="static"`, `dart_hf.core.static_step`): lossless (greedy token for
+token as plain `generate`; seeded sampling the same text as the eager loop at budget 0, DART's own draws), fixed
+shapes that `torch.compile` captures whole (fullgraph, no recompilation across steps and calls), one host sync per
+step, and the calls it cannot take running the eager loop with the reason in the stats.
 
 Capture tests use dynamo with the "eager" backend (the graph is captured and checked, not code-generated: seconds, not
 minutes); one test runs inductor on a tiny target, and the SmolLM2 tests (slow) run inductor on the real target.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import CompileConfig
 
 import dart_hf
@@ -98,28 +98,58 @@ def test_static_step_stops_scores_and_processors_as_plain(llama, llama_head):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_static_step_seeded_sampling_gives_plain_text():
+class Bias(LogitsProcessor):
+    """A custom processor (not one the device walk runs): the acceptance walks the tree per row, eagerly."""
+
+    def __call__(self, input_ids, scores):
+        return scores + (torch.arange(scores.shape[-1], device=scores.device) % 3 == 0) * 0.5
+
+
+@pytest.mark.parametrize("processor", ["config", "custom"])
+def test_static_step_seeded_sampling_gives_the_eager_budget_0_text(processor):
+    """The same seed gives the eager loop's text at budget 0 (DART's draws: not plain `generate`'s), through the
+    captured step with the generation config's processors (the device walk inside the step), eagerly and compiled,
+    and with a custom processor (the eager walk between the captured draft / verify and commit)."""
     target = make_target("llama")
     with torch.no_grad():
         target.lm_head.weight.div_(4.0)  # a soft distribution: many outcomes
     head = make_head(target)
+    kw = dict(do_sample=True, temperature=0.8, top_k=20, max_new_tokens=24)
     for seed, ids in enumerate(prompts(3, seed=5)):
-        kw = dict(do_sample=True, temperature=0.8, top_k=20, max_new_tokens=24)
+        if processor == "custom":
+            kw["logits_processor"] = LogitsProcessorList([Bias()])
         torch.manual_seed(seed)
-        ref = target.generate(ids, **kw)
-        torch.manual_seed(seed)
-        stats = dart_hf.DartStats()
-        out = target.generate(ids, assistant_model=head, dart_node_budget=6, dart_stats=stats, **kw, **STATIC)
-        assert torch.equal(out, ref)
-        assert stats.static and "acceptance walks the tree eagerly" in stats.static_reason
+        ref = target.generate(ids, assistant_model=head, dart_node_budget=0, **kw)
+        backends = [STATIC] + ([dict(cache_implementation="static", compile_config=compile_config())] if seed == 0
+                               else [])
+        for backend in backends:
+            torch.manual_seed(seed)
+            stats = dart_hf.DartStats()
+            out = target.generate(ids, assistant_model=head, dart_node_budget=6, dart_stats=stats, **kw, **backend)
+            assert torch.equal(out, ref), (seed, backend)
+            assert stats.static and stats.compiled == ("compile_config" in backend)
+            if processor == "custom":
+                assert stats.acceptance == "walk" and "acceptance walks the tree eagerly" in stats.static_reason
+            else:
+                assert stats.acceptance == "device" and stats.static_reason is None, stats.static_reason
+        torch.manual_seed(seed + 100)
+        assert not torch.equal(target.generate(ids, assistant_model=head, dart_node_budget=6, **kw, **STATIC), ref)
 
 
 def test_calls_the_static_step_cannot_take_run_the_eager_loop_and_say_why(llama, llama_head):
-    # a sampled batch
+    # a batch whose acceptance is not on the device: a custom processor (sampled or not), or returned scores (a
+    # sampled batch with the generation config's processors takes the static step: tests/test_sampling_device.py)
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    for kw in (dict(do_sample=True, logits_processor=LogitsProcessorList([Bias()])),
+               dict(do_sample=False, logits_processor=LogitsProcessorList([Bias()])),
+               dict(do_sample=True, output_scores=True, return_dict_in_generate=True)):
+        stats = dart_hf.DartStats()
+        llama.generate(ids, assistant_model=llama_head, max_new_tokens=12, dart_stats=stats, **kw, **STATIC)
+        assert not stats.static and "decodes a batch or padded rows with the acceptance on the device" in \
+            stats.static_reason, (kw, stats.static_reason)
     stats = dart_hf.DartStats()
     llama.generate(ids, assistant_model=llama_head, do_sample=True, max_new_tokens=12, dart_stats=stats, **STATIC)
-    assert not stats.static and "sampled batches run the eager loop" in stats.static_reason
+    assert stats.static and stats.acceptance == "device" and stats.static_reason is None, stats.static_reason
     # sliding-window layers
     target = sliding_target("mistral")
     head = make_head(target)
@@ -256,7 +286,8 @@ def test_batched_compiled_step_on_smollm2_equals_plain_batched_generate():
 @pytest.mark.slow
 def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
     """SmolLM2-135M with the shipped head, inductor: greedy token for token as plain eager `generate` and plain
-    static-cache compiled `generate`; seeded sampling through the captured draft / verify gives plain's text."""
+    static-cache compiled `generate`; seeded sampling through the captured step (the device walk) gives the eager
+    loop's text at budget 0."""
     from dart_hf.tools.assets import eval_prompts, load_target, shipped_head
 
     target, tok = load_target("smollm2-135m-instruct")
@@ -270,11 +301,13 @@ def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
     assert min(accepted) > 1.3  # the head's drafts are accepted through the captured step
     kw = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=24)
     torch.manual_seed(0)
-    ref = target.generate(ids, **kw)
+    ref = target.generate(ids, assistant_model=head, dart_node_budget=0, **kw)
     torch.manual_seed(0)
+    stats = dart_hf.DartStats()
     out = target.generate(ids, assistant_model=head, dart_node_budget=4, cache_implementation="static",
-                          compile_config=config, **kw)
-    assert torch.equal(out, ref), tok.decode(out[0, ids.shape[1]:])
+                          compile_config=config, dart_stats=stats, **kw)
+    assert stats.compiled and stats.acceptance == "device"
+    assert torch.equal(out, ref), (tok.decode(out[0, ids.shape[1]:]), tok.decode(ref[0, ids.shape[1]:]))
 
 
 def test_past_dynamos_recompile_limit_the_step_runs_uncompiled_and_says_so(qwen3):
@@ -287,13 +320,13 @@ def test_past_dynamos_recompile_limit_the_step_runs_uncompiled_and_says_so(qwen3
     ref = target.generate(ids, do_sample=False, max_new_tokens=12)
     torch._dynamo.reset()  # this test's graphs only
     with torch._dynamo.config.patch(recompile_limit=1):
-        for budget in (2, 3):  # a second graph of greedy_step
+        for budget in (2, 3):  # a second graph of decode_step
             stats = dart_hf.DartStats()
             out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12,
                                   dart_node_budget=budget, cache_implementation="static",
                                   compile_config=compile_config(), dart_stats=stats)
             assert torch.equal(out, ref)
-    assert stats.static and not stats.compiled and "refused another graph of greedy_step" in stats.static_reason
+    assert stats.static and not stats.compiled and "refused another graph of decode_step" in stats.static_reason
 
 
 def test_cuda_graphs_stay_off_for_the_dart_step_until_a_gpu_run_validates_them(monkeypatch):

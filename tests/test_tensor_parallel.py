@@ -3,7 +3,8 @@ runs `tests/tp_worker.py` on tiny Llama- and Qwen3-shaped targets loaded tensor-
 `distributed_config=DistributedConfig(tp_plan="auto")`) and a head loaded from a folder on each rank.
 
 Greedy: every rank's output equals single-process plain `generate` (tree and chain mode, one row and a left-padded
-batch, a fixed and the cost-aware budget). Sampling: the same seed gives the same ids on every rank. Refused with the
+batch, a fixed and the cost-aware budget). Sampling: the same seed gives the same ids on every rank, in tree mode
+the ids of budget 0 (DART's draws do not depend on the trees). Refused with the
 same ValueError on every rank: ranks with different seeds when sampling, a head that differs across ranks. A rank
 that fails ends every rank well before the timeout (the launcher ends the others, or their collective sees its
 connection close).
@@ -102,11 +103,13 @@ def test_greedy_on_every_rank_equals_single_process_plain_generate(tp_run, name)
 @pytest.mark.parametrize("name", MODELS)
 def test_seeded_sampling_is_identical_on_every_rank(tp_run, name):
     ranks, refs = tp_run
-    for key in ("sample_tree", "sample_chain", "sample_batch"):
+    for key in ("sample_tree", "sample_chain", "sample_batch", "sample_tree_budget_0", "sample_batch_budget_0"):
         first = ranks[0][name][key]
         for row in first if isinstance(first, list) else [first]:
             assert "ids" in row, row
         assert all(out[name][key] == first for out in ranks[1:]), key
+    for key in ("sample_tree", "sample_batch"):  # the tree's text is budget 0's, same seed
+        assert ranks[0][name][key] == ranks[0][name][f"{key}_budget_0"], key
     # sampled, not greedy: some sampled row differs from the greedy one
     sampled = [r["ids"] for r in ranks[0][name]["sample_tree"]]
     assert sampled != refs[name]["rows"]

@@ -1,5 +1,6 @@
 """What a call leaves behind: per-call stats in one layout, nothing on the target, only declared state on the head.
-(Stop strings, pipelines and seeds give plain `generate`'s tokens: tests/test_lossless.py.)"""
+(Stop strings and pipelines give plain `generate`'s tokens, a seed the same text at every node budget:
+tests/test_lossless.py.)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """One rank of `tests/test_tensor_parallel.py`: run under `python -m torch.distributed.run --nproc-per-node N`.
 
 `python tp_worker.py SPEC.json`: for each target folder in the spec, load it tensor-parallel
-(`from_pretrained(folder, tp_plan="auto")` or `distributed_config=DistributedConfig(tp_plan="auto")`, gloo on CPU), load the head from its folder, run the spec's calls (tree
-and chain mode, one row and a left-padded batch, greedy and seeded sampling) and the calls that must be refused on
-every rank, and write `rank<R>.json` (token ids, or the error each call raised) into the spec's `out` folder.
+(`from_pretrained(folder, tp_plan="auto")` or `distributed_config=DistributedConfig(tp_plan="auto")`, gloo on CPU),
+load the head from its folder, run the spec's calls (tree and chain mode, one row and a left-padded batch, greedy and
+seeded sampling, in tree mode at budget 0 too) and the calls that must be refused on every rank, and write
+`rank<R>.json` (token ids, or the error each call raised) into the spec's `out` folder.
 A model with `"bench": true` also runs `dart_hf.tools.bench.run_bench` (each rank gives its own `bench_rank<R>`
 folder: only rank 0's may be written). `"fail_rank": R` makes rank R raise before its first call (the others are
 then ended by the launcher, or by gloo seeing R's connection close).
@@ -59,8 +60,12 @@ def run_model(spec: dict, case: dict, rank: int) -> dict:
         out[f"greedy_{mode}"] = [attempt(lambda: dart(ids, dart_mode=mode)) for ids in prompts]
         out[f"sample_{mode}"] = [attempt(lambda: dart(ids, seed=100 + i, dart_mode=mode))
                                  for i, ids in enumerate(prompts)]
+    # DART's draws do not depend on the trees: the same seeds at budget 0 (plain decoding in DART's loop)
+    out["sample_tree_budget_0"] = [attempt(lambda: dart(ids, seed=100 + i, dart_node_budget=0))
+                                   for i, ids in enumerate(prompts)]
     out["greedy_batch"] = attempt(lambda: dart(batch_ids, batch_mask))
     out["sample_batch"] = attempt(lambda: dart(batch_ids, batch_mask, seed=7))
+    out["sample_batch_budget_0"] = attempt(lambda: dart(batch_ids, batch_mask, seed=7, dart_node_budget=0))
 
     # the cost-aware budget (the shipped heads' default): every rank follows the first rank's choice
     out["auto_tree"] = [attempt(lambda: dart(ids, dart_node_budget="auto")) for ids in prompts]
