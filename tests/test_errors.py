@@ -446,7 +446,7 @@ def _demo_args(**kw):
         (lambda: demo.run(_demo_args(target="no-such-target")), "'no-such-target' is neither a known target"),
         (lambda: demo.run(_demo_args(target="/")), "/ is not a model folder: it has no config.json"),
         (lambda: demo.run(_demo_args(max_new_tokens=0)), "dart-hf demo: error: --max-new-tokens must be at least 1"),
-        (lambda: bench.main(argparse.Namespace(synthetic=False, n=0)), "--n must be at least 1"),
+        (lambda: bench.main(build_parser().parse_args(["bench", "--n", "0"])), "--n must be at least 1"),
         (lambda: pipeline.run(build_parser().parse_args(["train", "--target", "no-such-target", "--out", "unused",
                                                          "--dtype", "float32"])), "dart-hf train: error: "),
     ],
