@@ -257,3 +257,21 @@ def test_a_repetition_penalty_counts_each_nodes_own_path():
         out = target.generate(ids, assistant_model=head, dart_node_budget=12, dart_stats=stats, **kw)
         assert stats.acceptance == "device"
         assert torch.equal(out, target.generate(ids, **kw))
+
+
+def test_a_sampled_call_returns_the_cache_of_its_text():
+    """The eager step keeps no slot past a step's longest path: a sampled one-row call returns the cache its text
+    gives (budget 0: plain decoding, same seed, same text), not one with a hole per unused pass."""
+    target = make_target("llama")
+    head = make_head(target)
+    ids = prompts(1, seed=9)[0]
+    kw = dict(do_sample=True, temperature=0.9, max_new_tokens=30, return_dict_in_generate=True)
+    outs = []
+    for budget in (0, 12):
+        torch.manual_seed(4)
+        outs.append(target.generate(ids, assistant_model=head, dart_node_budget=budget, **kw))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    ref, got = outs[0].past_key_values, outs[1].past_key_values
+    assert got.get_seq_length() == ref.get_seq_length() == outs[0].sequences.shape[1] - 1
+    for a, b in zip(ref.layers, got.layers):
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)

@@ -168,6 +168,11 @@ class BatchAccepted:
     scores: torch.Tensor | None = None
     logits: torch.Tensor | None = None
 
+    def trimmed(self, m: int) -> "BatchAccepted":
+        """The first m path slots of every row (m >= every row's length: nothing real is cut)."""
+        cut = lambda t: None if t is None else t[:, :m]
+        return BatchAccepted(self.paths[:, :m], self.lengths, self.tokens[:, :m], cut(self.scores), cut(self.logits))
+
     @classmethod
     def from_rows(cls, rows: list[Accepted]) -> "BatchAccepted":
         """Pad per-row results (the walk's) to one [rows, M] layout."""
@@ -198,18 +203,19 @@ def greedy_paths(trees: DraftTrees, predicted: torch.Tensor, m: int | None = Non
     return torch.where(order < n, order, deepest.unsqueeze(1)), lengths
 
 
-def accept_greedy_batch(trees: DraftTrees, logits: torch.Tensor, keep_scores: bool = False) -> BatchAccepted:
+def accept_greedy_batch(trees: DraftTrees, logits: torch.Tensor, keep_scores: bool = False,
+                        m: int | None = None) -> BatchAccepted:
     """Greedy acceptance for every row at once (logits [rows, N, V]): `greedy_paths` of the target's argmax at every
-    node. One host sync (the longest path)."""
+    node, in m path slots (default: the longest path, one host sync)."""
     predicted = logits.argmax(dim=-1)  # [rows, N]
-    paths, lengths = greedy_paths(trees, predicted)
+    paths, lengths = greedy_paths(trees, predicted, m)
     # greedy: the token after path node j is the target's argmax there (the next path node's token, or the bonus)
     tokens = predicted.gather(1, paths)
     rows = logits.gather(1, paths.unsqueeze(2).expand(-1, -1, logits.shape[2])) if keep_scores else None
     return BatchAccepted(paths, lengths, tokens, rows, rows)
 
 
-def on_device(processors: LogitsProcessorList, lefts: list[int]) -> bool:
+def runs_on_device(processors: LogitsProcessorList, lefts: list[int]) -> bool:
     """Whether `accept_depthwise` runs these processors exactly: all of `DEVICE_PROCESSORS`, a repetition penalty
     only ignoring what `generate` makes it ignore (each row's left padding, or nothing)."""
     for p in processors:
@@ -234,7 +240,7 @@ class StepAcceptance:
         if not do_sample and len(logits_processor) == 0:
             self.mode = "greedy"
         else:
-            self.mode = "device" if on_device(logits_processor, rows.lefts) else "walk"
+            self.mode = "device" if runs_on_device(logits_processor, rows.lefts) else "walk"
         self.greedy = self.mode == "greedy"
         self.needs_context = any(isinstance(p, RepetitionPenaltyLogitsProcessor) for p in logits_processor)
         # on the device a row's context is its text without padding: a repetition penalty has nothing to ignore
@@ -242,6 +248,11 @@ class StepAcceptance:
             RepetitionPenaltyLogitsProcessor(p.penalty) if isinstance(p, RepetitionPenaltyLogitsProcessor) else p
             for p in logits_processor]) if self.mode == "device" else logits_processor
         self.seeds: torch.Tensor | None = None
+
+    @property
+    def vectorised(self) -> bool:
+        """Whether every step's acceptance runs on the device (`on_device`: no host read, capturable), not the walk."""
+        return self.mode != "walk" and not self.keep_scores
 
     def start(self) -> None:
         """Before the prefill: one seed per row from torch's generator of the target's device (where plain sampling
@@ -259,23 +270,24 @@ class StepAcceptance:
                  text_len: torch.Tensor, m: int) -> BatchAccepted:
         """The accepted paths of `trees` (rows: the caller's rows `active`, whose texts are `text` [rows, T] up to
         `text_len` [rows]) under the target's `logits` [rows, N, V]; m: path slots (trees' depth + 1)."""
-        if self.greedy:
-            return accept_greedy_batch(trees, logits, self.keep_scores)
         seeds = None if self.seeds is None else self.seeds[torch.tensor(active, device=self.seeds.device)]
-        if self.mode == "device":
+        if self.mode != "walk":
             return self.on_device(trees, logits, text, text_len, m, seeds)
-        rows, lengths = self.rows, text_len.tolist()
+        rows = self.rows
         return BatchAccepted.from_rows([
             accept_walk(trees.trees[i], logits[i, : trees.trees[i].size], rows.seqs[b].unsqueeze(0),
                         RowProcessor(self.processors, b, len(rows)), None if seeds is None else seeds[i : i + 1],
-                        lengths[i])
+                        rows.length(b) - rows.lefts[b])
             for i, b in enumerate(active)
         ])
 
     def on_device(self, trees: DraftTrees, logits: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor, m: int,
                   seeds: torch.Tensor | None) -> BatchAccepted:
-        """`accept_depthwise` with the rows' texts as the processors' context (a repetition penalty's token set: the
-        row without its padding, which `generate` makes it ignore) and each row's next position."""
+        """The acceptance in m path slots without a host read: greedy (`accept_greedy_batch`), or `accept_depthwise`
+        with the rows' texts as the processors' context (a repetition penalty's token set: the row without its
+        padding, which `generate` makes it ignore) and each row's next position."""
+        if self.greedy:
+            return accept_greedy_batch(trees, logits, self.keep_scores, m)
         context = None
         if self.needs_context:
             written = torch.arange(text.shape[1], device=text.device) < text_len.unsqueeze(1)

@@ -49,18 +49,19 @@ class EagerStep:
     def step(self, budget: int, max_new: list[int], accept: StepAcceptance, active: list[int],
              timer: PhaseTimer) -> tuple[DraftTrees, BatchAccepted]:
         """Draft, verify, accept and commit one step of every active row. The accepted lengths come back to the host
-        here, once (the step's device work is done then); the result holds them on the host."""
+        here, once (the step's device work is done then), and the paths are cut to the longest; the result holds the
+        lengths on the host."""
         trees = self.drafter.propose(max_new, timer, budget).to(self.target.device)
         with timer.phase("verify"):
             logits, aux = verify_batch(self.target, trees, self.ragged, self.aux_ids)
         with timer.phase("accept"):
             drafter = self.drafter
             step = accept(trees, logits, active, drafter.text, drafter.text_len, trees.depth + 1)
+            lengths = step.lengths.tolist()  # the step's one host read
+            step = step.trimmed(max(lengths))  # as wide as the longest path: the cache keeps no slot past it
             self.ragged.commit(step.paths, step.lengths)
-            lengths = step.lengths.tolist()
             paths = step.paths.to(aux.device)
-            drafter.advance(aux.gather(1, paths.unsqueeze(2).expand(-1, -1, aux.shape[2])), step.tokens,
-                                 lengths)
+            drafter.advance(aux.gather(1, paths.unsqueeze(2).expand(-1, -1, aux.shape[2])), step.tokens, lengths)
             step.lengths = torch.tensor(lengths)
         return trees, step
 

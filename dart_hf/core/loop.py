@@ -164,10 +164,10 @@ def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig,
     if static_requested(config, model_kwargs):
         budget = budgets.fixed if budgets.policy is None else max(1, budgets.fixed)  # "auto": its current choice
         static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
-                                     accept.mode != "walk" and not keep)
+                                     accept.vectorised)
     if static is not None:
         budgets.fix(static.nodes - 1)
-        if accept.mode == "walk" or keep:
+        if not accept.vectorised:
             static.reason = "; ".join(filter(None, [static.reason, (
                 "acceptance walks the tree eagerly between the captured draft / verify and commit (logits "
                 "processors the device walk does not run, or returned scores)")]))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, StaticCache
 
-from .acceptance import BatchAccepted, StepAcceptance, greedy_paths
+from .acceptance import BatchAccepted, StepAcceptance
 from .distributed import tensor_parallel_group
 from .drafter import DartDrafter, batch_bucket, bucket, draft_depth
 from .modeling import DartHead
@@ -181,18 +181,12 @@ def commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, paths: torch.Te
 def accept_commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, spec: StepSpec, tree: DraftTrees,
                   logits: torch.Tensor, aux: torch.Tensor, accept: StepAcceptance,
                   seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The call's acceptance on the device with M fixed path slots (greedy: `greedy_paths`; else
-    `StepAcceptance.on_device` with the step's rows' `seeds`; no host sync) and `commit`. Returns (lengths [rows], tokens [rows, M]: the accepted
-    draft tokens then the target's own, the first lengths[r] real)."""
-    if accept.greedy:
-        predicted = logits.argmax(dim=-1)
-        paths, lengths = greedy_paths(tree, predicted, spec.path_slots)
-        tokens = predicted.gather(1, paths)
-    else:
-        step = accept.on_device(tree, logits, drafter.text, drafter.text_len, spec.path_slots, seeds)
-        paths, lengths, tokens = step.paths, step.lengths, step.tokens
-    commit(cache, drafter, rows, paths, lengths, tokens, aux)
-    return lengths, tokens
+    """The call's acceptance on the device in M fixed path slots (`StepAcceptance.on_device` with the step's rows'
+    `seeds`: no host sync) and `commit`. Returns (lengths [rows], tokens [rows, M]: the accepted draft tokens then the
+    target's own, the first lengths[r] real)."""
+    step = accept.on_device(tree, logits, drafter.text, drafter.text_len, spec.path_slots, seeds)
+    commit(cache, drafter, rows, step.paths, step.lengths, step.tokens, aux)
+    return step.lengths, step.tokens
 
 
 def decode_step(target, cache: StaticCache, drafter: DartDrafter, rows: Rows, spec: StepSpec,
@@ -279,8 +273,7 @@ class StaticStep:
         accept). Processors off the device, or returned scores: the captured draft and verify, the call's acceptance
         walk (eager), the captured `commit`."""
         run, drafter, spec, rows = self._run, self.drafter, self.spec, self.rows
-        on_device = accept.mode != "walk" and not accept.keep_scores
-        if on_device and not timer.requested:
+        if accept.vectorised and not timer.requested:
             with timer.phase("step"):
                 return None, self._host_result(*run(decode_step, self.target, self.cache, drafter, rows, spec,
                                                     accept, self._seeds(accept)))
@@ -289,7 +282,7 @@ class StaticStep:
         with timer.phase("verify"):
             logits, aux = run(verify, self.target, self.cache, drafter, spec, tree, rows)
         with timer.phase("accept"):
-            if on_device:
+            if accept.vectorised:
                 return tree, self._host_result(*run(accept_commit, self.cache, drafter, rows, spec, tree, logits,
                                                     aux, accept, self._seeds(accept)))
             step = accept(tree, logits, active, drafter.text, drafter.text_len, spec.path_slots)  # one row
