@@ -286,7 +286,8 @@ def test_profile_counts_aten_ops_and_host_syncs_per_step(tiny, tmp_path):
     # few reads fall outside the steps (prefill, first token, the end): 3 per step plus at most 10.
     assert static["host_reads"]["tolist"] <= 3 * static["steps"] + 10
     assert static["host_syncs"] <= 3 * static["steps"] + 10
-    assert static["host_syncs_per_step"] < profile["dart_tree_3"]["host_syncs_per_step"]  # the eager tree loop reads more
+    eager = profile["dart_tree_3"]  # the eager step reads the accepted lengths once too (`EagerStep.step`)
+    assert eager["host_syncs"] <= 3 * eager["steps"] + 10
     md = (tmp_path / "results.md").read_text()
     assert "## Profile: aten ops and host syncs per step" in md and "| x | DART, static cache + compile, budget 3 |" in md
     assert json.loads((tmp_path / "results.json").read_text())["profile"]["datasets"]["x"]["plain"]["steps"] == 12

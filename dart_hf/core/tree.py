@@ -255,6 +255,7 @@ class DraftTrees:
                 t.tokens, t.parents, t.depths, t.scores)
             out.tokens[r, s:] = t.tokens[0]
             out.ancestor_mask[r, :s, :s] = t.ancestor_mask
+        out.depth = max(int(t.depths.max()) for t in trees)  # trees made one by one live on the host
         return out
 
 
