@@ -97,7 +97,8 @@ def _bench(sub) -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B",
                    help="batch size(s): with any B > 1, plain batched generate and the batched DART methods on "
                    "left-padded batches of B prompts, per B (1: one prompt at a time; prompts per data set: at least "
-                   "the largest B)")
+                   "the largest B). With --synthetic (needs --compiled past 1): the compiled steps timed on a batch "
+                   "of B random prompts per B, per row token")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-calibrate", action="store_true",
                    help="decode with the stored verify-cost curve, or none (as before `dart-hf calibrate`); by default "

@@ -18,7 +18,12 @@
 #    (CUDA graphs off for the DART step, `static_step.compile_options`) must stay (~2-3 min);
 # 6. part 3 sampling with Qwen3's shipped settings (`--qwen3-sampling`: temperature 0.6, top-p 0.95, top-k 20), every
 #    call seeded alike: compiled DART step / compiled plain step when both sample, budgets 7 60 (outputs are not
-#    compared: sampled texts differ by method; 6 compiles, ~5-7 min).
+#    compared: sampled texts differ by method; 6 compiles, ~5-7 min);
+# 7. part 3 on batches (`--batch-size 1 8 32`: B random prompts of 512 tokens, no padding), greedy, budget 7: per
+#    batch size the compiled plain step and the compiled DART step, ms per row token and DART / plain, every row
+#    compared with plain eager generate's; no dart_timing split (a run of several batch sizes leaves it out). 3 plain
+#    + 3 DART compiles, batch size 1's warm in inductor's cache from part 3 (~4 min; each more budget: 3 more
+#    compiles, ~2-3 min).
 # Every part has its own timeout and writes what it has; a failing part does not stop the next one.
 # It needs no download (random targets) and runs from the source tree with the machine's own torch / transformers,
 # so it fits a device machine that cannot fetch anything. The real SmolLM2 target cannot travel to such a machine
@@ -102,5 +107,10 @@ echo "== 6. compiled rows sampling with Qwen3's settings (--qwen3-sampling), syn
 timeout 600 python -m dart_hf_cli bench --synthetic --compiled --qwen3-sampling --attn sdpa --budget 7 60 \
   --max-new-tokens 48 --out "$OUT/synthetic_compiled_sampling" > "$OUT/synthetic_compiled_sampling.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 60 "$OUT/synthetic_compiled_sampling.log"
+
+echo "== 7. compiled rows on batches of 1, 8 and 32 prompts, synthetic Qwen3-8B shape, bf16, SDPA"
+timeout 420 python -m dart_hf_cli bench --synthetic --compiled --batch-size 1 8 32 --attn sdpa --budget 7 \
+  --max-new-tokens 48 --out "$OUT/synthetic_compiled_batches" > "$OUT/synthetic_compiled_batches.log" 2>&1
+rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_compiled_batches.log"
 
 exit $status

@@ -21,12 +21,14 @@ if WORKER_THREADS:
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.overrides import TorchFunctionMode
 from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen3Config)
 
 import dart_hf
 from dart_hf.core.ragged import RaggedCache, decode_cache
 from dart_hf.core.target import cache_kwargs
+from transformers.generation.configuration_utils import CompileConfig
 
 if WORKER_THREADS:
     torch.set_num_threads(WORKER_THREADS)
@@ -241,3 +243,71 @@ def stop_word_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_compiler():
+    """Each test module starts with dynamo's caches empty, so its graphs count alone against dynamo's limit of 8 per
+    function and process (`decode_step`'s graphs of earlier modules in the same xdist worker would push it over)."""
+    torch._dynamo.reset()
+
+
+@pytest.fixture()
+def private_cache(tmp_path, monkeypatch):
+    """The test's own dart_hf cache (verify-cost curves, head downloads): nothing read from or left in the user's."""
+    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def bench_tiny():
+    """A tiny llama target and its head with a 16-node budget, for the bench's end-to-end tests."""
+    target = make_target("llama")
+    return target, make_head(target, node_budget=16)
+
+
+def compile_config(backend: str = "eager") -> CompileConfig:
+    """What a CPU user passes to compile (transformers compiles on CUDA only unless told otherwise)."""
+    config = CompileConfig(backend=backend, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def left_padded(lengths, seed: int, vocab: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
+    from dart_hf.tools.bench_timing import left_pad
+
+    g = torch.Generator().manual_seed(seed)
+    return left_pad([torch.randint(3, vocab, (1, n), generator=g) for n in lengths], pad_id=2)
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts the tensor operations that read a value back to the host (on a GPU: a sync each): value reads, and
+    copies from a non-CPU device to the CPU (none can happen on this machine's CPU tensors)."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        copy = name in ("to", "cpu") and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
+        if name in self.READS or copy:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def step_host_reads(monkeypatch, backend) -> tuple[list[list[str]], list]:
+    """Record, per call of `backend.step` (`EagerStep`, `StaticStep`) from now on, the host reads it makes
+    (`HostSyncs`) and what it returns: (reads, results), lists the steps fill."""
+    reads, results, step = [], [], backend.step
+
+    def counted(self, *args, **kwargs):
+        with HostSyncs() as mode:
+            result = step(self, *args, **kwargs)
+        reads.append(mode.reads)
+        results.append(result)
+        return result
+
+    monkeypatch.setattr(backend, "step", counted)
+    return reads, results

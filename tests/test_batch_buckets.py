@@ -9,9 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import dart_hf
-from conftest import make_head, make_target
+from conftest import compile_config, left_padded, make_head, make_target
 from dart_hf.core.drafter import batch_bucket
-from test_static_step import compile_config, left_padded
 
 
 def test_batch_buckets_are_powers_of_two():

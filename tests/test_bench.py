@@ -15,15 +15,7 @@ from dart_hf.tools.bench_timing import CompetingLoad, left_pad, new_token_counts
 from dart_hf_cli import build_parser
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    target = make_target("llama")
-    return target, make_head(target, node_budget=16)
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def broken(t, h, ids, **kw):
@@ -33,8 +25,8 @@ def broken(t, h, ids, **kw):
     return out
 
 
-def test_bench_end_to_end_writes_reports(tiny, tmp_path):
-    target, head = tiny
+def test_bench_end_to_end_writes_reports(bench_tiny, tmp_path):
+    target, head = bench_tiny
     data = {"humaneval": prompts(2, seed=1), "sharegpt": prompts(1, seed=2)}
     results = bench.run_bench(target, head, data, max_new_tokens=12, out_dir=tmp_path / "out", progress=False,
                               meta={"head": "tiny"})
@@ -68,8 +60,8 @@ def test_bench_end_to_end_writes_reports(tiny, tmp_path):
     assert bench.exit_status(results) == 0
 
 
-def test_bench_flags_a_broken_method(tiny, tmp_path, capsys):
-    target, head = tiny
+def test_bench_flags_a_broken_method(bench_tiny, tmp_path, capsys):
+    target, head = bench_tiny
     standard = {m.name: m for m in standard_methods()}
     methods = [standard["plain"], Method("broken", "deliberately broken", broken), standard["dart_tree_60"]]
     results = bench.run_bench(target, head, {"humaneval": prompts(2, seed=3)}, max_new_tokens=8, methods=methods,
@@ -85,10 +77,10 @@ def test_bench_flags_a_broken_method(tiny, tmp_path, capsys):
     assert "OUTPUT MISMATCH" in capsys.readouterr().err
 
 
-def test_bench_runs_and_competing_load(tiny, tmp_path, monkeypatch):
+def test_bench_runs_and_competing_load(bench_tiny, tmp_path, monkeypatch):
     """`runs` repeats the interleaved pass (each run's speedup reported); `load` runs busy loops beside the methods
     and ends them with the bench."""
-    target, head = tiny
+    target, head = bench_tiny
     started = []
     real_enter = CompetingLoad.__enter__
 
@@ -113,8 +105,8 @@ def test_bench_runs_and_competing_load(tiny, tmp_path, monkeypatch):
     assert parse().load is None and parse("--load", "4").load == 4
 
 
-def test_bench_needs_plain_first(tiny):
-    target, head = tiny
+def test_bench_needs_plain_first(bench_tiny):
+    target, head = bench_tiny
     with pytest.raises(ValueError, match="plain"):
         bench.run_bench(target, head, {"x": prompts(1)}, methods=standard_methods()[1:], warmup=False)
 
@@ -151,10 +143,10 @@ def test_synthetic_path_runs_on_a_tiny_shape(tmp_path):
     assert "Verify cost by tree size" in (tmp_path / "synthetic.md").read_text()
 
 
-def test_batched_bench_compares_every_row_and_reports_per_batch_size(tiny, tmp_path):
+def test_batched_bench_compares_every_row_and_reports_per_batch_size(bench_tiny, tmp_path):
     """`batch_sizes`: plain batched generate and the batch-capable methods on left-padded batches, per batch size;
     every row compared with plain's; one-row-only methods kept at batch size 1 and noted."""
-    target, head = tiny
+    target, head = bench_tiny
     standard = {m.name: m for m in standard_methods(fixed_budget=[3])}
     methods = [standard[n] for n in ("plain", "prompt_lookup", "dart_tree_3", "dart_tree_auto")]
     data = {"humaneval": prompts(3, seed=6), "sharegpt": prompts(4, seed=7)}
@@ -193,8 +185,8 @@ def bench_policy_candidates(head, target):
     return budget_policy(head, target).candidates
 
 
-def test_batched_bench_flags_a_broken_row(tiny, tmp_path):
-    target, head = tiny
+def test_batched_bench_flags_a_broken_row(bench_tiny, tmp_path):
+    target, head = bench_tiny
 
     def broken_row(t, h, ids, **kw):
         out = t.generate(ids, **kw).clone()
@@ -228,8 +220,8 @@ def compiled_methods(budget: int = 3) -> list:
     return [standard[n] for n in ("plain", f"dart_tree_{budget}", "plain_compiled", f"dart_compiled_{budget}")]
 
 
-def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(tiny, tmp_path):
-    target, head = tiny
+def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(bench_tiny, tmp_path):
+    target, head = bench_tiny
     methods = compiled_methods()
     assert all(m.one_row_only is None for m in methods[2:])  # they decode batches too
     data = {"x": prompts(2, seed=9)}
@@ -266,8 +258,8 @@ def test_compiled_flags_and_method_selection():
     assert [m.name for m in chosen] == ["plain", "plain_compiled", "dart_compiled_4"]  # plain and the baseline stay
 
 
-def test_profile_counts_aten_ops_and_host_syncs_per_step(tiny, tmp_path):
-    target, head = tiny
+def test_profile_counts_aten_ops_and_host_syncs_per_step(bench_tiny, tmp_path):
+    target, head = bench_tiny
     results = bench.run_bench(target, head, {"x": prompts(1, seed=10)}, max_new_tokens=12, methods=compiled_methods(),
                               out_dir=tmp_path, progress=False, warmup=False, profile=True)
     profile = results["profile"]["datasets"]["x"]
@@ -311,10 +303,10 @@ def test_synthetic_compiled_rows_on_a_tiny_shape(tmp_path):
     assert "## Static cache + torch.compile (eager)" in md and "3-node DART compiled step / plain compiled step" in md
 
 
-def test_compiled_rows_decode_batches_and_report_their_ratio_over_compiled_plain(tiny, tmp_path):
+def test_compiled_rows_decode_batches_and_report_their_ratio_over_compiled_plain(bench_tiny, tmp_path):
     """`--compiled --batch-size`: the static-cache methods run on left-padded batches (each batch compiled first,
     untimed), every row equal to plain batched generate, DART reported over compiled plain at the same batch size."""
-    target, head = tiny
+    target, head = bench_tiny
     results = bench.run_bench(target, head, {"x": prompts(4, seed=9)}, max_new_tokens=10, methods=compiled_methods(),
                               out_dir=tmp_path, progress=False, warmup=False, runs=1, batch_sizes=[1, 2])
     assert results["all_equal"] and not results["meta"]["skipped_for_batches"]

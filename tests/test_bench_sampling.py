@@ -18,15 +18,7 @@ from dart_hf.tools.bench_synthetic import run_synthetic
 from dart_hf_cli import build_parser
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    target = make_target("llama")
-    return target, make_head(target, node_budget=16)
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def parse(*argv):
@@ -67,8 +59,8 @@ def differing(t, h, ids, **kw):
     return out
 
 
-def test_sampled_bench_seeds_every_method_alike_states_settings_and_does_not_exit_3(tiny, tmp_path):
-    target, head = tiny
+def test_sampled_bench_seeds_every_method_alike_states_settings_and_does_not_exit_3(bench_tiny, tmp_path):
+    target, head = bench_tiny
     seen = []
 
     def recorded(name: str, run):
@@ -109,8 +101,8 @@ def test_sampled_bench_seeds_every_method_alike_states_settings_and_does_not_exi
     assert "| differs from plain |" in md and "n/a (sampling)" in md and "MISMATCH" not in md
 
 
-def test_sampled_batched_bench_and_greedy_unchanged(tiny, tmp_path):
-    target, head = tiny
+def test_sampled_batched_bench_and_greedy_unchanged(bench_tiny, tmp_path):
+    target, head = bench_tiny
     standard = {m.name: m for m in standard_methods(fixed_budget=[3])}
     methods = [standard["plain"], standard["dart_tree_3"]]
     results = bench.run_bench(target, head, {"x": prompts(2, seed=2)}, max_new_tokens=6, methods=methods,
@@ -132,13 +124,13 @@ def test_sampled_batched_bench_and_greedy_unchanged(tiny, tmp_path):
     assert md.startswith("# dart-hf bench\n") and "sampling" not in md
 
 
-def test_cli_sampled_run_writes_settings_and_exits_0(tiny, tmp_path, monkeypatch, capsys):
+def test_cli_sampled_run_writes_settings_and_exits_0(bench_tiny, tmp_path, monkeypatch, capsys):
     """`dart-hf bench --qwen3-sampling` end to end through `bench.main`, the tiny target standing in for the real one
     (loading and prompts patched): exit status 0 and the settings in results.json."""
     import dart_hf.tools.assets as assets
     import dart_hf.tools.demo as demo
 
-    target, head = tiny
+    target, head = bench_tiny
     monkeypatch.setattr(demo, "load_target_and_head", lambda *a, **k: (target, None, head))
     monkeypatch.setattr(assets, "eval_prompts", lambda tokenizer, ds, n: prompts(n, seed=3))
     status = bench.main(parse("--qwen3-sampling", "--n", "1", "--datasets", "humaneval", "--max-new-tokens", "6",

@@ -31,9 +31,7 @@ from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
 from dart_hf.core.verify import verify_tree
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def plain(target, ids, n):

@@ -19,10 +19,9 @@ from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenal
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 import dart_hf
-from conftest import make_head, make_target, prompts
+from conftest import compile_config, left_padded, make_head, make_target, prompts, step_host_reads
 from dart_hf.core import acceptance, eager_step, static_step
 from dart_hf.core.tree import DraftTrees, ancestor_mask
-from test_static_step import HostSyncs, compile_config, left_padded
 
 Z_999 = 3.090  # the standard normal's 99.9% quantile
 
@@ -176,15 +175,7 @@ QWEN3_SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
 
 def test_a_sampled_eager_step_reads_back_once(qwen3, monkeypatch):
     target, head = qwen3
-    reads, step = [], eager_step.EagerStep.step
-
-    def counted(self, *args, **kwargs):
-        with HostSyncs() as mode:
-            result = step(self, *args, **kwargs)
-        reads.append(mode.reads)
-        return result
-
-    monkeypatch.setattr(eager_step.EagerStep, "step", counted)
+    reads, _ = step_host_reads(monkeypatch, eager_step.EagerStep)
     stats = dart_hf.DartStats()
     target.generate(prompts(1, seed=60)[0], assistant_model=head, max_new_tokens=30, dart_node_budget=6,
                     repetition_penalty=1.1, dart_stats=stats, **QWEN3_SAMPLING)
@@ -215,15 +206,7 @@ def test_the_sampled_static_step_is_captured_whole_reads_back_once_and_is_not_re
         steps += stats.steps
     assert steps >= 20
     assert counters["stats"]["unique_graphs"] == graphs, "a step was captured again (recompilation)"
-    reads, step = [], static_step.StaticStep.step
-
-    def counted(self, *args, **kwargs):
-        with HostSyncs() as mode:
-            result = step(self, *args, **kwargs)
-        reads.append(mode.reads)
-        return result
-
-    monkeypatch.setattr(static_step.StaticStep, "step", counted)
+    reads, _ = step_host_reads(monkeypatch, static_step.StaticStep)
     target.generate(ids, attention_mask=mask, assistant_model=head, max_new_tokens=20, **kw)
     assert len(reads) >= 3 and all(r == ["tolist"] for r in reads), reads[:3]
 

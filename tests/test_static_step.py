@@ -12,22 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch.overrides import TorchFunctionMode
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.configuration_utils import CompileConfig
 
 import dart_hf
-from conftest import make_head, make_target, prompts, sliding_target
+from conftest import compile_config, left_padded, make_head, make_target, prompts, sliding_target, step_host_reads
 from dart_hf.core import static_step
 
 STATIC = dict(cache_implementation="static", disable_compile=True)  # the fixed-shape step, run eagerly
-
-
-def compile_config(backend: str = "eager") -> CompileConfig:
-    """What a CPU user passes to compile (transformers compiles on CUDA only unless told otherwise)."""
-    config = CompileConfig(backend=backend, mode=None)
-    config._compile_all_devices = True
-    return config
 
 
 def assert_compiled_equals_plain(target, head, ids, config, new_tokens: int, budget: int) -> dart_hf.DartStats:
@@ -195,37 +186,9 @@ def test_step_is_one_graph_with_no_recompilation_across_steps_and_calls(qwen3):
     assert counters["stats"]["unique_graphs"] == graphs, "a step was captured again (recompilation)"
 
 
-class HostSyncs(TorchFunctionMode):
-    """Counts the tensor operations that read a value back to the host (on a GPU: a sync each): value reads, and
-    copies from a non-CPU device to the CPU (none can happen on this machine's CPU tensors)."""
-
-    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"}
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        copy = name in ("to", "cpu") and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
-        if name in self.READS or copy:
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_greedy_step_reads_back_once_and_hands_the_loop_host_tensors(qwen3, monkeypatch):
     target, head = qwen3
-    reads, returned = [], []
-    step = static_step.StaticStep.step
-
-    def counted(self, *args, **kwargs):
-        with HostSyncs() as mode:
-            result = step(self, *args, **kwargs)
-        reads.append(mode.reads)
-        returned.append(result)
-        return result
-
-    monkeypatch.setattr(static_step.StaticStep, "step", counted)
+    reads, returned = step_host_reads(monkeypatch, static_step.StaticStep)
     ids = prompts(1, seed=30)[0]
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=30, dart_node_budget=4,
                     cache_implementation="static", compile_config=compile_config())
@@ -340,13 +303,6 @@ def test_cuda_graphs_stay_off_for_the_dart_step_until_a_gpu_run_validates_them(m
 
 
 # ------------------------------------------------------------------------------------------------ batches
-def left_padded(lengths, seed: int, vocab: int = 96) -> tuple[torch.Tensor, torch.Tensor]:
-    from dart_hf.tools.bench_timing import left_pad
-
-    g = torch.Generator().manual_seed(seed)
-    return left_pad([torch.randint(3, vocab, (1, n), generator=g) for n in lengths], pad_id=2)
-
-
 @pytest.mark.parametrize("case", ["eos", "no eos", "max_length", "stopping criteria"])
 def test_a_left_padded_batch_takes_the_static_step_and_equals_plain_batched_generate(llama, llama_head, case):
     """Every row of a greedy left-padded batch on the static step equals plain batched generate's: rows of different
@@ -399,15 +355,8 @@ def test_the_batched_static_step_is_captured_whole_reads_back_once_and_is_not_re
         steps += stats.steps
     assert steps >= 20
     assert counters["stats"]["unique_graphs"] == graphs, "a step was captured again (recompilation)"
-    reads, step = [], static_step.StaticStep.step  # (a torch function mode is another graph's context: after)
-
-    def counted(self, *args, **kwargs):
-        with HostSyncs() as mode:
-            result = step(self, *args, **kwargs)
-        reads.append(mode.reads)
-        return result
-
-    monkeypatch.setattr(static_step.StaticStep, "step", counted)
+    # counted after the capture: a torch function mode is another graph context
+    reads, _ = step_host_reads(monkeypatch, static_step.StaticStep)
     target.generate(ids, assistant_model=head, max_new_tokens=20, **{**kw, "attention_mask": mask})
     assert len(reads) >= 3 and all(r == ["tolist"] for r in reads), reads[:3]
 

@@ -29,9 +29,7 @@ from dart_hf_cli import build_parser
 from dart_hf_cli import main as cli
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DART_HF_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def fake_measurements(monkeypatch, seconds, probe=(0.010, 0.010)):

@@ -55,7 +55,8 @@ measured.
 
 `--synthetic` instead measures, on a CUDA GPU, a random target of Qwen3-8B's shape in bf16: the verify cost by tree
 size and the head + tree-search overhead as a share of a DART step, and with `--compiled` the same on a static cache
-with torch.compile against compiled plain decoding (`examples/gpu_check.sh` runs it).
+with torch.compile against compiled plain decoding, with `--batch-size B [B ...]` on a batch of B random prompts per
+B: time per row token, every row compared with plain's (`examples/gpu_check.sh` runs it).
 
 This module is the command: `main` (arguments to a run), `selected_methods`, `run_bench` (the verify-cost curve,
 then the timed runs, the profile and the reports) and the exit status. What it runs lives beside it, a module per
@@ -180,7 +181,12 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"dart-hf bench: error: {err}", file=sys.stderr)
         return 2
+    batch_sizes = getattr(args, "batch_size", None) or [1]
     if args.synthetic:
+        if min(batch_sizes) < 1 or (set(batch_sizes) != {1} and not args.compiled):
+            print(f"dart-hf bench: error: with --synthetic, --batch-size takes sizes >= 1 and, past 1, --compiled (the "
+                  f"eager synthetic rows are one row), got {batch_sizes}", file=sys.stderr)
+            return 2
         if not torch.cuda.is_available():
             print("dart-hf bench --synthetic needs a CUDA GPU: it builds a random Qwen3-8B-shaped target "
                   "(~16 GB in bf16) and times it there. No GPU is visible (torch.cuda.is_available() is False); "
@@ -189,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
         budgets = {"budgets": tuple(args.budget)} if args.budget else {}
         results = run_synthetic(attn_implementation=args.attn, out_dir=args.out, new_tokens=args.max_new_tokens,
                                 compiled=args.compiled, compile_backend=args.compile_backend, sampling=sampling,
-                                **budgets)
+                                batch_sizes=tuple(batch_sizes), **budgets)
         print(synthetic_markdown(results))
         return 0
     if args.n < 1:
@@ -215,7 +221,6 @@ def main(args: argparse.Namespace) -> int:
     ranks = tensor_parallel_ranks(target)
     report = ranks is None or ranks[0] == 0
     head_path = args.head if args.head is not None else str(shipped_head())
-    batch_sizes = getattr(args, "batch_size", None) or [1]
     if min(batch_sizes) < 1:
         print(f"dart-hf bench: error: --batch-size takes sizes >= 1, got {batch_sizes}", file=sys.stderr)
         return 2

@@ -2,9 +2,11 @@
 in bf16 (`synthetic_target`, no weights downloaded) and a random head of the reference layout; the verify cost by tree
 size and the per-phase time of real DART steps by node budget (`run_synthetic`), and with `--compiled` the same on a
 static cache with `torch.compile` against compiled plain decoding (`TokenClock` times plain's decoding steps without
-its prefill). Writes synthetic.json and synthetic.md (`synthetic_markdown`). Apart from the real-model bench: no
-prompts, no methods list, its own report; it shares only `compile_config`, the sampling settings, the step phases,
-the device sync, the environment and the number format.
+its prefill), per batch size with `--batch-size` (a batch of B random prompts of one length: what DART's compiled step
+costs per row token beside plain's as B grows). Writes synthetic.json and synthetic.md (`synthetic_markdown`), again
+after each part (a run cut short by a timeout keeps what it finished). Apart from the real-model bench: no prompts,
+no methods list, its own report; it shares only `compile_config`, the sampling settings, the step phases, the device
+sync, the environment and the number format.
 With `sampling` (`--temperature`, `--qwen3-sampling`, ...: `bench_methods.sampling_settings`) every `generate` call
 here samples at those settings, seeded with the same seed right before it (`_generate`), so the compiled DART step is
 timed against compiled plain decoding as a sampling user runs both; outputs are then not compared (None).
@@ -59,6 +61,7 @@ def run_synthetic(
     compiled: bool = False,
     compile_backend: str = "inductor",
     sampling: dict | None = None,
+    batch_sizes: tuple[int, ...] = (1,),
 ) -> dict:
     """Verify cost by tree size, and the per-phase time of real DART steps (random head, random n-gram) by budget.
 
@@ -69,7 +72,10 @@ def run_synthetic(
     loop (`generate(..., assistant_model=head, dart_timing=True)`); nothing here re-implements decoding.
 
     `compiled`: also plain and DART `generate` on a static cache with `torch.compile` (`compile_backend`), what a GPU
-    user runs: `results["compiled"]` (`_synthetic_compiled`).
+    user runs: `results["compiled"]` (`_synthetic_compiled`), for each of `batch_sizes` (smallest first) on a batch of
+    that many random prompts of `prompt_len` tokens. Batch size 1's part stays where a one-row run has always put it
+    (`results["compiled"]`'s own keys), the others go under `results["compiled"]["batches"]["<B>"]`; every part
+    carries its `batch_size`. The eager parts above are one row: batch sizes other than 1 need `compiled`.
 
     `sampling`: None (greedy) or `bench_methods.sampling_settings`: every call samples at those settings from one
     seed (`_generate`); the "equal to plain" fields are then None (sampled texts differ by method).
@@ -78,6 +84,11 @@ def run_synthetic(
     from ..core.modeling import DartHead
     from ..core.ngram import NGramModel
 
+    sizes = sorted(set(batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+    if sizes != [1] and not compiled:
+        raise ValueError(f"batch sizes {sizes}: only the compiled part decodes batches (compiled=True)")
     device = torch.device(device)
     t0 = time.perf_counter()
     target = synthetic_target(shape, device, dtype, attn_implementation)
@@ -135,15 +146,40 @@ def run_synthetic(
         "plain_ms_per_token": plain_ms,
         "budgets": rows,
     }
+    _write(results, out_dir)
     if compiled:
-        results["compiled"] = _synthetic_compiled(target, head, ids, gen, budgets, plain_out, compile_backend,
-                                                  progress)
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "synthetic.json").write_text(json.dumps(results, indent=1, default=str))
-        (out / "synthetic.md").write_text(synthetic_markdown(results))
+        results["compiled"] = {"backend": compile_backend, "batch_sizes": sizes}
+        for batch in sizes:
+            prompts, call = _batch_of(ids, batch, gen, vocab)
+            eager = plain_out if batch == 1 else _generate(target, prompts, **call)  # what outputs are compared with
+            part = _synthetic_compiled(target, head, prompts, call, budgets, eager, compile_backend, progress,
+                                       split=len(sizes) == 1)
+            if batch == 1:
+                results["compiled"].update(part)
+            else:
+                results["compiled"].setdefault("batches", {})[str(batch)] = part
+            _write(results, out_dir)
     return results
+
+
+def _write(results: dict, out_dir: str | Path | None) -> None:
+    """synthetic.json and synthetic.md of what is done so far (written after each part: a timeout keeps them)."""
+    if out_dir is None:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "synthetic.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "synthetic.md").write_text(synthetic_markdown(results))
+
+
+def _batch_of(ids: torch.Tensor, batch: int, gen: dict, vocab: int) -> tuple[torch.Tensor, dict]:
+    """(prompts, `generate` arguments) for a batch: the one-row prompt for 1, else `batch` random prompts of its
+    length (seeded by the batch size; one length, so no padding), the attention mask sized to them."""
+    if batch == 1:
+        return ids, gen
+    rows = torch.randint(vocab, (batch, ids.shape[1]), generator=torch.Generator().manual_seed(batch))
+    rows = rows.to(ids.device)
+    return rows, {**gen, "attention_mask": torch.ones_like(rows)}
 
 
 def _generate(target, ids: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -171,7 +207,7 @@ def _timed_generate(target, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, 
 
 class TokenClock:
     """A `generate` streamer that notes when each put reached the host (the prompt, then the new tokens one step at a
-    time): the decoding steps' time without the prefill."""
+    time: a [batch] column each, whatever the batch size): the decoding steps' time without the prefill."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -182,41 +218,56 @@ class TokenClock:
     def end(self) -> None:
         return None
 
+    def decode_seconds(self) -> float:
+        """Seconds from the prefill's token reaching the host to the last new token: the decoding steps."""
+        return self.times[-1] - self.times[1]
+
     def step_seconds(self) -> float:
-        """Mean seconds per decoding step: from the prefill's token to the last new token."""
-        new = self.times[1:]
-        return (new[-1] - new[0]) / max(len(new) - 1, 1)
+        """Mean seconds per decoding step of plain `generate` (a put per step; DART puts a column per token)."""
+        return self.decode_seconds() / max(len(self.times) - 2, 1)
 
 
 def _synthetic_compiled(target, head, ids: torch.Tensor, gen: dict, budgets, plain_out: torch.Tensor, backend: str,
-                        progress: bool) -> dict:
-    """Plain `generate` and DART per budget on a static cache with `torch.compile` (`compile_config`). Every compiled
-    call is first made once untimed (it compiles; its seconds are reported). The plain step is timed between the
-    first and the last new token reaching the host (`TokenClock`): its decoding steps without the (eager) prefill,
-    as DART's step leaves the prefill out."""
+                        progress: bool, split: bool) -> dict:
+    """Plain `generate` and DART per budget on a static cache with `torch.compile` (`compile_config`), on the batch
+    `ids` (`plain_out`: plain eager `generate`'s output for it). Every compiled call is first made once untimed (it
+    compiles; its seconds are reported). The plain step is timed between the first and the last new token reaching
+    the host (`TokenClock`): its decoding steps without the (eager) prefill, as DART's step leaves the prefill out.
+    Per row token: the decoding time over the rows' new tokens after the prefill's (plain: a step's time over the batch
+    size). `split`: the largest budget also with `dart_timing=True` (`_synthetic_compiled_row`)."""
+    batch = ids.shape[0]
     static = {**gen, "cache_implementation": "static", "compile_config": compile_config(ids.device, backend)}
     _, plain_compile_s = _timed_generate(target, ids, **static)
     clock = TokenClock()
     out, seconds = _timed_generate(target, ids, streamer=clock, **static)
     plain_step_ms = 1e3 * clock.step_seconds()
     rows = [_synthetic_compiled_row(target, head, ids, {**static, "assistant_model": head, "dart_node_budget": b},
-                                    plain_step_ms, plain_out, split=b == max(budgets))
-            for b in tqdm(budgets, desc="synthetic compiled budgets", disable=not progress)]
-    return {"backend": backend, "plain_step_ms": plain_step_ms, "plain_ms_per_token": 1e3 * seconds
-            / (out.shape[1] - ids.shape[1]), "plain_first_call_seconds": plain_compile_s,
-            "plain_equal_to_eager": _equal(out, plain_out, gen), "budgets": rows}
+                                    plain_step_ms, plain_out, split=split and b == max(budgets))
+            for b in tqdm(budgets, desc=f"synthetic compiled budgets, batch of {batch}", disable=not progress)]
+    return {"batch_size": batch, "plain_step_ms": plain_step_ms,
+            "plain_ms_per_row_token": plain_step_ms / batch,
+            "plain_ms_per_token": 1e3 * seconds / (out.shape[1] - ids.shape[1]),
+            "plain_first_call_seconds": plain_compile_s, "plain_equal_to_eager": _equal(out, plain_out, gen),
+            "budgets": rows}
 
 
 def _synthetic_compiled_row(target, head, ids: torch.Tensor, run: dict, plain_step_ms: float,
                             plain_out: torch.Tensor, split: bool) -> dict:
-    """One budget's compiled DART step: its wall time (the captured step, greedy or sampled), then, with `split`
-    (the largest budget only: three more graphs to compile, minutes each on a large target), with `dart_timing=True`
-    (its parts captured and timed one by one: draft = head forward + tree search, verify, accept). Each variant's
-    first call compiles, untimed."""
+    """One budget's compiled DART step on the batch `ids`: its wall time (the captured step, greedy or sampled), then,
+    with `split` (the largest budget of a run of one batch size only: three more graphs to compile, minutes each on a
+    large target), with `dart_timing=True` (its parts captured and timed one by one: draft = head forward + tree
+    search, verify, accept). Each variant's first call compiles, untimed. The decoding time is taken as plain's is
+    (`TokenClock`, the same streamer: from the prefill's token to the last new token reaching the host), so the
+    prefill stays out on a GPU too, where the untimed phases are launch times only; the streamer's column per new
+    token (a host read per row and token) is counted in DART's time."""
+    batch = ids.shape[0]
     _, first_s = _timed_generate(target, ids, **run)
-    out, wall = _timed_generate(target, ids, **run)
+    clock = TokenClock()
+    out, _ = _timed_generate(target, ids, streamer=clock, **run)
     stats = head.stats
-    step_ms = 1e3 * (wall - stats.time.get("prefill", 0.0)) / max(stats.steps, 1)
+    decode_ms = 1e3 * clock.decode_seconds()
+    step_ms = decode_ms / max(stats.steps, 1)
+    row_token_ms = decode_ms / (batch * max(out.shape[1] - ids.shape[1] - 1, 1))  # after the prefill's token
     phase_ms, timing_first_s = {p: float("nan") for p in ("draft", "verify", "accept")}, float("nan")
     if split:
         _, timing_first_s = _timed_generate(target, ids, dart_timing=True, **run)
@@ -230,6 +281,8 @@ def _synthetic_compiled_row(target, head, ids: torch.Tensor, run: dict, plain_st
         "static_reason": stats.static_reason,
         "step_ms": step_ms,
         "step_over_plain_compiled_step": step_ms / plain_step_ms,
+        "ms_per_row_token": row_token_ms,
+        "row_token_over_plain_compiled": row_token_ms / (plain_step_ms / batch),
         "phase_ms": phase_ms,
         "head_and_tree_share": phase_ms["draft"] / total if total else float("nan"),
         "first_call_seconds": first_s,
@@ -277,32 +330,50 @@ def synthetic_markdown(results: dict) -> str:
     return "\n".join(lines + _synthetic_compiled_lines(results.get("compiled")))
 
 
+def _compiled_parts(c: dict) -> list[dict]:
+    """The compiled section's part per batch size, smallest first: batch size 1's in the section's own keys, the
+    others under "batches" (`run_synthetic`)."""
+    return ([c] if "budgets" in c else []) + [c["batches"][b] for b in sorted(c.get("batches", {}), key=int)]
+
+
 def _synthetic_compiled_lines(c: dict | None) -> list[str]:
-    """The static cache + torch.compile section of the synthetic report."""
-    if c is None:
+    """The static cache + torch.compile section of the synthetic report: plain, then DART, a row per batch size (and
+    budget)."""
+    parts = _compiled_parts(c) if c is not None else []
+    if not parts:
         return []
     lines = [f"## Static cache + torch.compile ({c['backend']})", "",
-             f"Plain `generate`: {c['plain_step_ms']:.2f} ms per decoding step ({c['plain_ms_per_token']:.2f} ms per "
-             f"token with the prefill; first call {c['plain_first_call_seconds']:.1f} s; output equal to plain eager: "
-             f"{_yes_no(c['plain_equal_to_eager'])}).", ""]
-    by_budget = {r["node_budget"]: r for r in c["budgets"]}
+             "| batch | plain step ms | ms per row token | ms per step with the prefill | first call s | "
+             "equal to plain eager |", "|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {p['batch_size']} | {p['plain_step_ms']:.2f} | {p['plain_ms_per_row_token']:.3f} | "
+              f"{p['plain_ms_per_token']:.2f} | {p['plain_first_call_seconds']:.1f} | "
+              f"{_yes_no(p['plain_equal_to_eager'])} |" for p in parts]
+    first = parts[0]
+    by_budget = {r["node_budget"]: r for r in first["budgets"]}
     headline = by_budget.get(60) or by_budget[max(by_budget)]
-    lines += [f"**{headline['node_budget']}-node DART compiled step / plain compiled step: "
+    batch = "" if first["batch_size"] == 1 else f", batches of {first['batch_size']}"
+    lines += ["", f"**{headline['node_budget']}-node DART compiled step / plain compiled step{batch}: "
               f"{headline['step_over_plain_compiled_step']:.2f}** (the accepted length at which compiled DART only "
               "matches compiled plain decoding).", "",
-              "| budget | step ms | / plain compiled step | draft (head + tree) ms | verify ms | accept ms | "
-              "head + tree share | first call s | equal to plain |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in c["budgets"]:
-        ph = r["phase_ms"]
-        equal = _yes_no(r["output_equal_to_plain"])
-        note = "" if r["compiled"] else f" (not compiled: {r['static_reason']})"
-        lines.append(f"| {r['node_budget']}{note} | {r['step_ms']:.2f} | {r['step_over_plain_compiled_step']:.2f} | "
-                     f"{fmt(ph['draft'])} | {fmt(ph['verify'])} | {fmt(ph['accept'])} | "
-                     f"{fmt(100 * r['head_and_tree_share'], '.0f')}% | {r['first_call_seconds']:.1f} | {equal} |")
-    return lines + ["", "Step ms: the captured step's wall time per step (prefill excluded); the split comes "
-                    "from a second run with `dart_timing=True` at the largest budget (the step's parts captured and "
-                    "timed one by one: three graphs, so their sum differs from the one-graph step). First call s: the "
-                    "untimed call that compiles.", ""]
+              "| batch | budget | step ms | / plain compiled step | ms per row token | / plain per row token | "
+              "draft (head + tree) ms | verify ms | accept ms | head + tree share | first call s | equal to plain |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for p in parts:
+        for r in p["budgets"]:
+            ph = r["phase_ms"]
+            note = "" if r["compiled"] else f" (not compiled: {r['static_reason']})"
+            lines.append(f"| {p['batch_size']} | {r['node_budget']}{note} | {r['step_ms']:.2f} | "
+                         f"{r['step_over_plain_compiled_step']:.2f} | {r['ms_per_row_token']:.3f} | "
+                         f"{r['row_token_over_plain_compiled']:.2f} | {fmt(ph['draft'])} | {fmt(ph['verify'])} | "
+                         f"{fmt(ph['accept'])} | {fmt(r['head_and_tree_share'], '.0%')} | "
+                         f"{r['first_call_seconds']:.1f} | {_yes_no(r['output_equal_to_plain'])} |")
+    return lines + ["", "Decoding time: from the prefill's token to the last new token reaching the host (a "
+                    "streamer: the prefill left out). Step ms: that time per step of the batch; ms per row token: that "
+                    "time over every row's new tokens after the prefill's (plain decodes one per row and step, the "
+                    "random head's DART about one). Equal to plain: every row equal to plain eager `generate`'s on "
+                    "the same batch. The split comes from a second run with `dart_timing=True` at the largest budget, "
+                    "in a run of one batch size only (the step's parts captured and timed one by one: three graphs, "
+                    "so their sum differs from the one-graph step). First call s: the untimed call that compiles.", ""]
 
 
 __all__ = ["QWEN3_8B_SHAPE", "TokenClock", "run_synthetic", "synthetic_markdown", "synthetic_target"]
