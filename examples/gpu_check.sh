@@ -25,6 +25,9 @@
 #    + 3 DART compiles, batch size 1's warm in inductor's cache from part 3 (~4 min; each more budget: 3 more
 #    compiles, ~2-3 min).
 # Every part has its own timeout and writes what it has; a failing part does not stop the next one.
+# All seven parts take ~20-30 min, more than one 15-minute device session: PARTS picks some, e.g.
+#     PARTS="1 5 7" bash examples/gpu_check.sh   # lossless on CUDA, CUDA graphs, batches (~10 min)
+#     PARTS="3 6" bash examples/gpu_check.sh     # compiled greedy and sampled rows (~10-14 min)
 # It needs no download (random targets) and runs from the source tree with the machine's own torch / transformers,
 # so it fits a device machine that cannot fetch anything. The real SmolLM2 target cannot travel to such a machine
 # (98 MB as Q4_1 GGUF, 270 MB in bf16, over a 64 MiB transfer limit), so regeneration at scale is not part of it.
@@ -35,6 +38,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export DART_HF_CACHE="$OUT/cache"
 export TOKENIZERS_PARALLELISM=false
 status=0
+PARTS=" ${PARTS:-1 2 3 4 5 6 7} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }  # run part $1? (PARTS="5 7" runs parts 5 and 7 only)
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
@@ -42,6 +47,7 @@ status=0
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+if want 1; then
 echo "== 1. tiny target on CUDA: lossless, auto budget"
 timeout 120 python - > "$OUT/tiny_cuda.txt" 2>&1 <<'EOF'
 import json, os, torch
@@ -82,35 +88,48 @@ for name, r in report.items():
 raise SystemExit(0 if report["torch.float32"]["all_equal"] else 1)
 EOF
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/tiny_cuda.txt"
+fi
 
+if want 2; then
 echo "== 2. synthetic Qwen3-8B shape, bf16, SDPA"
 timeout 300 python -m dart_hf_cli bench --synthetic --attn sdpa --max-new-tokens 48 --out "$OUT/synthetic_sdpa" \
   > "$OUT/synthetic_sdpa.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_sdpa.log"
+fi
 
+if want 3; then
 echo "== 3. compiled rows on the synthetic Qwen3-8B shape (static cache + torch.compile), bf16, SDPA"
 timeout 600 python -m dart_hf_cli bench --synthetic --compiled --attn sdpa --budget 1 7 60 \
   --max-new-tokens 48 --out "$OUT/synthetic_compiled" > "$OUT/synthetic_compiled.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 60 "$OUT/synthetic_compiled.log"
+fi
 
+if want 4; then
 echo "== 4. synthetic Qwen3-8B shape, bf16, flex_attention"
 timeout 240 python -m dart_hf_cli bench --synthetic --attn flex_attention --max-new-tokens 48 \
   --out "$OUT/synthetic_flex" > "$OUT/synthetic_flex.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_flex.log"
+fi
 
+if want 5; then
 echo "== 5. the DART step under CUDA graphs (reduce-overhead), synthetic Qwen3-8B shape, bf16, SDPA"
 DART_HF_CUDA_GRAPHS=1 timeout 300 python -m dart_hf_cli bench --synthetic --compiled --attn sdpa --budget 7 \
   --max-new-tokens 48 --out "$OUT/synthetic_cudagraphs" > "$OUT/synthetic_cudagraphs.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_cudagraphs.log"
+fi
 
+if want 6; then
 echo "== 6. compiled rows sampling with Qwen3's settings (--qwen3-sampling), synthetic Qwen3-8B shape, bf16, SDPA"
 timeout 600 python -m dart_hf_cli bench --synthetic --compiled --qwen3-sampling --attn sdpa --budget 7 60 \
   --max-new-tokens 48 --out "$OUT/synthetic_compiled_sampling" > "$OUT/synthetic_compiled_sampling.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 60 "$OUT/synthetic_compiled_sampling.log"
+fi
 
+if want 7; then
 echo "== 7. compiled rows on batches of 1, 8 and 32 prompts, synthetic Qwen3-8B shape, bf16, SDPA"
 timeout 420 python -m dart_hf_cli bench --synthetic --compiled --batch-size 1 8 32 --attn sdpa --budget 7 \
   --max-new-tokens 48 --out "$OUT/synthetic_compiled_batches" > "$OUT/synthetic_compiled_batches.log" 2>&1
 rc=$?; echo "exit $rc"; [ $rc -ne 0 ] && status=1; tail -n 40 "$OUT/synthetic_compiled_batches.log"
+fi
 
 exit $status
