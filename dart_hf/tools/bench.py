@@ -81,7 +81,7 @@ from .bench_methods import (DEFAULT_BUDGET, SEEDS_HOW, Method, sampling_kwargs, 
                             standard_methods)
 from .bench_profile import profile_methods
 from .bench_report import markdown_report, write_reports
-from .bench_synthetic import run_synthetic, synthetic_markdown
+from .bench_synthetic import run_synthetic, synthetic_batch_sizes, synthetic_markdown
 from .bench_timing import run_batched, run_rows
 
 MISMATCH_EXIT = 3
@@ -182,10 +182,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"dart-hf bench: error: {err}", file=sys.stderr)
         return 2
     batch_sizes = getattr(args, "batch_size", None) or [1]
+    if min(batch_sizes) < 1:
+        print(f"dart-hf bench: error: --batch-size takes sizes >= 1, got {batch_sizes}", file=sys.stderr)
+        return 2
     if args.synthetic:
-        if min(batch_sizes) < 1 or (set(batch_sizes) != {1} and not args.compiled):
-            print(f"dart-hf bench: error: with --synthetic, --batch-size takes sizes >= 1 and, past 1, --compiled (the "
-                  f"eager synthetic rows are one row), got {batch_sizes}", file=sys.stderr)
+        try:
+            synthetic_batch_sizes(batch_sizes, args.compiled)
+        except ValueError as err:
+            print(f"dart-hf bench: error: --synthetic --batch-size: {err}", file=sys.stderr)
             return 2
         if not torch.cuda.is_available():
             print("dart-hf bench --synthetic needs a CUDA GPU: it builds a random Qwen3-8B-shaped target "
@@ -221,9 +225,6 @@ def main(args: argparse.Namespace) -> int:
     ranks = tensor_parallel_ranks(target)
     report = ranks is None or ranks[0] == 0
     head_path = args.head if args.head is not None else str(shipped_head())
-    if min(batch_sizes) < 1:
-        print(f"dart-hf bench: error: --batch-size takes sizes >= 1, got {batch_sizes}", file=sys.stderr)
-        return 2
     n = max(args.n, *batch_sizes)  # every batch size decodes the same prompts, the largest at least one full batch
     prompts = {ds: eval_prompts(tokenizer, ds, n) for ds in args.datasets}
     methods = selected_methods(standard_methods(fixed_budget=args.budget or [DEFAULT_BUDGET], compiled=args.compiled,

@@ -84,11 +84,7 @@ def run_synthetic(
     from ..core.modeling import DartHead
     from ..core.ngram import NGramModel
 
-    sizes = sorted(set(batch_sizes))
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
-    if sizes != [1] and not compiled:
-        raise ValueError(f"batch sizes {sizes}: only the compiled part decodes batches (compiled=True)")
+    sizes = synthetic_batch_sizes(batch_sizes, compiled)
     device = torch.device(device)
     t0 = time.perf_counter()
     target = synthetic_target(shape, device, dtype, attn_implementation)
@@ -160,6 +156,17 @@ def run_synthetic(
                 results["compiled"].setdefault("batches", {})[str(batch)] = part
             _write(results, out_dir)
     return results
+
+
+def synthetic_batch_sizes(batch_sizes, compiled: bool) -> list[int]:
+    """The batch sizes a synthetic run takes, smallest first; a ValueError for a size below 1, or past 1 without the
+    compiled part (the eager parts time one row)."""
+    sizes = sorted(set(batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {list(batch_sizes)}")
+    if sizes != [1] and not compiled:
+        raise ValueError(f"batch sizes {sizes}: only the compiled part decodes batches (--compiled, compiled=True)")
+    return sizes
 
 
 def _write(results: dict, out_dir: str | Path | None) -> None:
@@ -376,4 +383,5 @@ def _synthetic_compiled_lines(c: dict | None) -> list[str]:
                     "so their sum differs from the one-graph step). First call s: the untimed call that compiles.", ""]
 
 
-__all__ = ["QWEN3_8B_SHAPE", "TokenClock", "run_synthetic", "synthetic_markdown", "synthetic_target"]
+__all__ = ["QWEN3_8B_SHAPE", "TokenClock", "run_synthetic", "synthetic_batch_sizes", "synthetic_markdown",
+           "synthetic_target"]
