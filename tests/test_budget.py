@@ -17,7 +17,7 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 import dart_hf
-from conftest import accept_greedy, check_closed, compact_cache, make_head, make_target, prompts
+from conftest import accept_greedy, check_closed, compact_cache, informed_policy, make_head, make_target, prompts
 from dart_hf_cli import main as cli
 from dart_hf.core import budget as budget_module
 from dart_hf.core import cost as cost_module
@@ -496,14 +496,6 @@ def test_first_stop_fast_path_matches_token_by_token_check(max_length):
 
 
 # ---------------------------------------------------------------------------------------------------- batches
-def informed_policy(curve: VerifyCost) -> BudgetPolicy:
-    """A policy whose acceptance is known: the path holds rank r in (5 - r) of 6 steps (E[1] = .83, E[3] = 2.0)."""
-    policy = BudgetPolicy(curve, device_type="cpu")
-    for k in range(120):
-        policy.observe(policy.largest, list(range(k % 6)))
-    return policy
-
-
 def test_batch_step_seconds_is_the_scaled_curve_at_rows_times_nodes_plus_every_rows_drafting():
     """T(R, n) = s(n) * curve(R * (n + 1)) + R * D(n): s from the batched verifies' measured / curve time, D(n) the
     per-row drafting time of steady batched drafting steps at n (nearest such n where n was not drafted; catch-up
@@ -680,6 +672,7 @@ def test_batch_rule_learns_from_whole_steps_where_phase_times_are_launch_times()
     (exact: it ends in the acceptance's host read) as the verify time and no drafting cost; the rule learns."""
     from types import SimpleNamespace
 
+    from dart_hf.core.acceptance import BatchAccepted
     from dart_hf.core.budget import CallBudget
     from dart_hf.core.tree import DraftTrees
 
@@ -694,7 +687,7 @@ def test_batch_rule_learns_from_whole_steps_where_phase_times_are_launch_times()
                   SimpleNamespace(exact=True, last={"verify": curve(4)}, totals={})):
         budgets = CallBudget(policy, 0, target, timer)
         budgets.next(4)
-        budgets.observe(0, trees, paths, torch.ones(4, dtype=torch.long))
+        budgets.observe(0, trees, BatchAccepted(paths, torch.ones(4, dtype=torch.long), paths))
         if not timer.exact:  # the wall time, not the launch time
             assert statistics.median(policy.batch_times.scale[(4, 0)]) == pytest.approx(3.0)
     assert sorted(policy.batch_times.scale[(4, 0)]) == pytest.approx([1.0, 3.0])  # exact phases: the verify phase

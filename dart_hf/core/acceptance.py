@@ -160,13 +160,15 @@ def accept_depthwise(trees: DraftTrees, logits: torch.Tensor, m: int, processors
 class BatchAccepted:
     """One step's acceptance for every row of a `DraftTrees`: paths [rows, M] (tree node indices, root first; past a
     row's own length the last node repeats), lengths [rows] (path length = new tokens of the row), tokens [rows, M]
-    (the new tokens, the first lengths[r] of row r real) and, when asked for, the scores / logits rows [rows, M, V]."""
+    (the new tokens, the first lengths[r] of row r real) and, when asked for, the scores / logits rows [rows, M, V].
+    The static step reads its paths' score ranks (`DraftTrees.ranks`) with its result: `ranks` [rows, M - 1], host."""
 
     paths: torch.Tensor
     lengths: torch.Tensor
     tokens: torch.Tensor
     scores: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None
 
     def trimmed(self, m: int) -> "BatchAccepted":
         """The first m path slots of every row (m >= every row's length: nothing real is cut)."""

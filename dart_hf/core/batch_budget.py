@@ -122,6 +122,26 @@ def next_batch_budget(policy, rows: int) -> int:
     return choice
 
 
+def held_budget(policy, rows: int) -> int:
+    """The one tree size of a call of `rows` rows held at one size (the static step: each size is a compiled graph of
+    its own, and plain decoding is not one of them): the tree with the most expected tokens per second by the batch
+    rule's model (one row is a batch of one), kept from the policy's previous held call of as many rows unless the new
+    one promises `batch_margin` more (a new size costs a compile). Before any acceptance is known: `first_tree`. Call
+    under `policy.lock`."""
+    expected, previous = _expected(policy), policy.held.get(rows)
+    if expected is None:
+        choice = first_tree(policy, rows) if previous is None else previous
+    else:
+        cands = policy.candidates
+        tps = rows * (1.0 + expected) / np.maximum(policy.batch_times.step_seconds(rows), 1e-9)
+        choice = _best(policy, tps, drafting_only=True)
+        if previous is not None and tps[cands.index(choice)] < (1.0 + policy.knobs.batch_margin) * tps[
+                cands.index(previous)]:
+            choice = previous
+    policy.held[rows] = choice
+    return choice
+
+
 def _best(policy, tps: np.ndarray, drafting_only: bool = False) -> int:
     """The candidate of the most tokens per second `tps` (a tree only where it beats plain decoding by
     `batch_margin`; drafting_only: the best tree)."""
@@ -153,4 +173,4 @@ def _expected(policy) -> np.ndarray | None:
     return expected[last]
 
 
-__all__ = ["BatchTimes", "batch_budget", "first_tree", "next_batch_budget"]
+__all__ = ["BatchTimes", "batch_budget", "first_tree", "held_budget", "next_batch_budget"]

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import transformers
 
-from .batch_budget import BatchTimes, next_batch_budget
+from .batch_budget import BatchTimes, held_budget, next_batch_budget
 from .cost import VerifyCost, cost_file, cost_key, load_curve, nearest_size
 from .distributed import shared_budget, tensor_parallel_group
 from .stats import PhaseTimer
@@ -75,12 +75,9 @@ class BudgetKnobs:
 
 def path_ranks(trees: DraftTrees, paths: torch.Tensor, lengths: Sequence[int]) -> list[list[int]]:
     """Per row, the score rank (0 = best non-root node) of every accepted draft node (the path without its root), in
-    path order. paths [rows, M]: root first, the first lengths[r] of row r real. Padding nodes score -inf, so they
-    outrank nothing. One host read for every row."""
-    scores = trees.scores
-    on_path = scores.gather(1, paths[:, 1:].to(scores.device))  # [rows, M - 1]
-    ranks = (scores[:, None, 1:] > on_path[:, :, None]).sum(dim=2).tolist()
-    return [r[: n - 1] for r, n in zip(ranks, lengths)]
+    path order. paths [rows, M]: root first, the first lengths[r] of row r real (`DraftTrees.ranks`). One host read
+    for every row."""
+    return [r[: n - 1] for r, n in zip(trees.ranks(paths).tolist(), lengths)]
 
 
 class BudgetPolicy:
@@ -109,6 +106,7 @@ class BudgetPolicy:
         self._since_probe = 0.0  # seconds of steps at the choice since the last probe
         self._probing = False
         self._probe_turn = 0  # which probe comes next: above the choice, the runner-up, plain decoding
+        self.held: dict[int, int] = {}  # rows -> the tree size of the latest call held at one size (`call_budget`)
 
     # -- observing
     def start(self) -> None:
@@ -214,6 +212,12 @@ class BudgetPolicy:
                 return probe
             return self.choice
 
+    def call_budget(self, rows: int) -> int:
+        """The tree size of a whole call of `rows` rows that cannot change it per step (the static step:
+        `batch_budget.held_budget`)."""
+        with self.lock:
+            return held_budget(self, rows)
+
     def _hope(self, budget: int, expected: float) -> float:
         """E[accepted | budget] plus `explore` standard errors, sqrt((1 + E) / n) over its n (discounted) observations
         (an accepted length's spread grows with its mean): an unlucky start must not space a tree's probes out. Plain
@@ -243,12 +247,14 @@ class CallBudget:
     each. A fixed budget stays fixed. The cost-aware one is the policy's: one active row times whole steps
     (`BudgetPolicy.start` / `observe`); a batch feeds the batch rule its verify time and per-row drafting (CPU phase
     times are exact; where they are launch times, CUDA without `dart_timing`, the whole step up to its host read is
-    the verify time and drafting 0, so the rule learns on every device). A tensor-parallel target takes the first
-    rank's choice on every rank."""
+    the verify time and drafting 0, so the rule learns on every device). A call held at one tree size (`hold`: the
+    static step) feeds the policy its acceptance only: its compiled steps' times are not the eager steps' the rule
+    prices. A tensor-parallel target takes the first rank's choice on every rank."""
 
     def __init__(self, policy: BudgetPolicy | None, fixed: int, target, timer: PhaseTimer):
         self.policy, self.fixed, self.timer, self.target = policy, fixed, timer, target
         self.group = tensor_parallel_group(target) if policy is not None else None
+        self.held = policy is None
         self.rows, self.started, self.drafted, self.drafted_before = 0, 0.0, 0.0, False
 
     @property
@@ -258,15 +264,20 @@ class CallBudget:
     def latest(self, budget: int) -> int:
         """The tree size in force at the end of the call (`DartStats.node_budget`): the one-row rule's choice, else
         the last step's budget."""
-        return self.policy.choice if self.policy is not None and self.rows == 1 else budget
+        return self.policy.choice if not self.held and self.rows == 1 else budget
 
-    def fix(self, budget: int) -> None:
-        """The call runs one budget (the static step: the policy's current choice, or the fixed one)."""
-        self.policy, self.fixed = None, budget
+    def call_budget(self, rows: int) -> int:
+        """The one tree size of a call of `rows` rows that cannot change it per step: the fixed one, or the policy's
+        (`BudgetPolicy.call_budget`)."""
+        return self.fixed if self.policy is None else self.policy.call_budget(rows)
+
+    def hold(self, budget: int) -> None:
+        """Every step of the call runs `budget` (the static step's one tree size)."""
+        self.fixed, self.held = budget, True
 
     def next(self, rows: int) -> int:
         """This step's node budget per row, for `rows` active rows."""
-        if self.policy is None:
+        if self.held:
             return self.fixed
         self.rows = rows
         budget = shared_budget(self.group, self.policy.next_budget(rows), self.target)
@@ -275,13 +286,21 @@ class CallBudget:
             self.policy.start()
         return budget
 
-    def observe(self, budget: int, trees: DraftTrees, paths: torch.Tensor, lengths: torch.Tensor) -> None:
-        """The step at `budget` ended: its trees and accepted paths (`lengths`: a host tensor, read only here)."""
+    def observe(self, budget: int, trees: DraftTrees | None, step) -> None:
+        """The step at `budget` ended: its trees and its `BatchAccepted` (host lengths, read only here; the accepted
+        paths, or the static step's `ranks` read with its result)."""
         if self.policy is None:
             return
-        lengths = lengths.tolist()
-        ranks = path_ranks(trees, paths, lengths) if budget > 0 else [()] * len(lengths)
-        if self.rows == 1:
+        lengths = step.lengths.tolist()
+        if budget == 0:
+            ranks = [()] * len(lengths)
+        elif step.ranks is not None:
+            ranks = [r[: n - 1] for r, n in zip(step.ranks.tolist(), lengths)]
+        else:
+            ranks = path_ranks(trees, step.paths, lengths)
+        if self.held:
+            self.policy.observe_rows(budget, ranks)
+        elif self.rows == 1:
             self.policy.observe(budget, ranks[0])
         elif self.timer.exact:
             self.policy.observe_batch(self.rows, budget, trees.tokens.numel(), self.timer.last["verify"],

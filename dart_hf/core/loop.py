@@ -115,7 +115,7 @@ def dart_decode(
                                    timer)
         with timer.phase("accept"):
             n_new = _append(rows, active, step, stopping_criteria, config.max_length, pad_finished, keep)
-        budgets.observe(budget, trees, step.paths, step.lengths)
+        budgets.observe(budget, trees, step)
         stats.record_step(n_new, budget)
         active = _retire(rows, active, backend, config.max_length, pad_finished)
         out_stream.flush(active)
@@ -158,15 +158,14 @@ def _call_budget(head: DartHead, model, requested, lookup: bool, state, timer: P
 
 def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig, model_kwargs: dict,
              budgets: CallBudget, lookup: bool, accept: StepAcceptance, keep: bool) -> StepBackend:
-    """The static step when the call asks for a static cache and it can run it (one budget for the call: the
-    cost-aware policy's current choice), else the eager step."""
+    """The static step when the call asks for a static cache and it can run it (one tree size for the call:
+    `CallBudget.call_budget`), else the eager step."""
     static, reason = None, None
     if static_requested(config, model_kwargs):
-        budget = budgets.fixed if budgets.policy is None else max(1, budgets.fixed)  # "auto": its current choice
-        static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
-                                     accept.vectorised)
+        static, reason = static_step(model, head, input_ids, mask, config, budgets.call_budget(len(rows)), lookup,
+                                     head.config.aux_layer_ids, accept.vectorised)
     if static is not None:
-        budgets.fix(static.nodes - 1)
+        budgets.hold(static.nodes - 1)
         if not accept.vectorised:
             static.reason = "; ".join(filter(None, [static.reason, (
                 "acceptance walks the tree eagerly between the captured draft / verify and commit (logits "

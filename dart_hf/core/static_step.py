@@ -13,7 +13,8 @@ length) and host reads, so it cannot be captured. Here every shape is fixed for 
 - the masks are tensors built from the device-side lengths (no Python int of a length anywhere in the step);
 - head forward + tree search + verify (`target.target_forward`) + acceptance (greedy, or the call's sampling and
   processors on the device: `acceptance.accept_depthwise`) + commit is `decode_step`, captured with `fullgraph=True`;
-  the accepted length and tokens come back to the host in ONE copy per step.
+  the accepted length, tokens and paths' score ranks (what the cost-aware budget learns from) come back to the host
+  in ONE copy per step.
 
 Processors the device walk cannot run, and returned scores, keep the call's eager acceptance walk between the
 captured `draft_tree` + `verify` and `commit` (one row). What the static step cannot run (such a walk on a batch,
@@ -180,17 +181,17 @@ def commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, paths: torch.Te
 
 def accept_commit(cache: StaticCache, drafter: DartDrafter, rows: Rows, spec: StepSpec, tree: DraftTrees,
                   logits: torch.Tensor, aux: torch.Tensor, accept: StepAcceptance,
-                  seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The call's acceptance on the device in M fixed path slots (`StepAcceptance.on_device` with the step's rows'
     `seeds`: no host sync) and `commit`. Returns (lengths [rows], tokens [rows, M]: the accepted draft tokens then the
-    target's own, the first lengths[r] real)."""
+    target's own, the first lengths[r] real; the paths' score ranks [rows, M - 1], for the cost-aware budget)."""
     step = accept.on_device(tree, logits, drafter.text, drafter.text_len, spec.path_slots, seeds)
     commit(cache, drafter, rows, step.paths, step.lengths, step.tokens, aux)
-    return step.lengths, step.tokens
+    return step.lengths, step.tokens, tree.ranks(step.paths)
 
 
 def decode_step(target, cache: StaticCache, drafter: DartDrafter, rows: Rows, spec: StepSpec,
-                accept: StepAcceptance, seeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                accept: StepAcceptance, seeds: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """One whole DART step of every row, captured as one graph: `draft_tree`, `verify`, `accept_commit`."""
     tree = draft_tree(drafter, spec.depth)
     logits, aux = verify(target, cache, drafter, spec, tree, rows)
@@ -309,11 +310,12 @@ class StaticStep:
             self.seeds = torch.cat([accept.seeds, accept.seeds[:1].expand(extra)])
         return self.seeds
 
-    def _host_result(self, lengths: torch.Tensor, tokens: torch.Tensor) -> BatchAccepted:
-        """The greedy step's result for the active rows, on the host, read back in ONE copy: lengths then tokens."""
-        host = torch.tensor(torch.cat([lengths.unsqueeze(1), tokens], dim=1).tolist())[self.active]
+    def _host_result(self, lengths: torch.Tensor, tokens: torch.Tensor, ranks: torch.Tensor) -> BatchAccepted:
+        """The step's result for the active rows, on the host, read back in ONE copy: lengths, tokens, ranks."""
+        host = torch.tensor(torch.cat([lengths.unsqueeze(1), tokens, ranks], dim=1).tolist())[self.active]
+        m = tokens.shape[1]
         return BatchAccepted(paths=torch.zeros(len(self.active), 1, dtype=torch.long), lengths=host[:, 0],
-                             tokens=host[:, 1:])
+                             tokens=host[:, 1 : m + 1], ranks=host[:, m + 1 :])
 
     def _run(self, fn, *args):
         """`fn` compiled (the call's options), or uncompiled once torch.compile refused to capture it again: dynamo

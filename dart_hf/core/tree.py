@@ -219,6 +219,13 @@ class DraftTrees:
         return DraftTree(self.tokens[r, :n], self.parents[r, :n], self.depths[r, :n],
                          self.ancestor_mask[r, :n, :n], self.scores[r, :n])
 
+    def ranks(self, paths: torch.Tensor) -> torch.Tensor:
+        """[rows, M - 1]: the score rank (0 = the best non-root node) of each node of `paths` [rows, M] after its root,
+        on the device (what the cost-aware budget learns acceptance from: `dart_hf.core.budget`). Padding nodes score
+        -inf, so they outrank nothing."""
+        on_path = self.scores.gather(1, paths[:, 1:].to(self.scores.device))
+        return (self.scores[:, None, 1:] > on_path[:, :, None]).sum(dim=2)
+
     @functools.cached_property
     def trees(self) -> list[DraftTree]:
         """Every row's own tree (the sampling walk and the budget statistics read them): one read of the sizes."""
