@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from dart_hf.tools.assets import eval_prompts, load_target
+from dart_hf.tools.assets import load_target
+from dart_hf.tools.datasets import eval_prompts
 from dart_hf.tools.eval_head import evaluate_head, format_table, plot_reports
 from dart_hf.tools.offline_acceptance import load_texts, reference_texts, save_texts
 from dart_hf.training.train import TrainConfig, train_head

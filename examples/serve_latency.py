@@ -19,11 +19,11 @@ import time
 
 import openai
 
-from dart_hf.tools.assets import HUMANEVAL_INSTRUCTION, USER_TEXT_MAX_CHARS, load_humaneval, load_sharegpt
+from dart_hf.tools.datasets import HUMANEVAL_INSTRUCTION, USER_TEXT_MAX_CHARS, load_humaneval, load_sharegpt
 
 
 def prompts(n: int) -> dict[str, list[str]]:
-    """The user texts behind `dart_hf.tools.assets.eval_prompts` (which returns them tokenized)."""
+    """The user texts behind `dart_hf.tools.datasets.eval_prompts` (which returns them tokenized)."""
     return {
         "humaneval": [HUMANEVAL_INSTRUCTION.format(prompt=problem["prompt"]) for problem in load_humaneval()[:n]],
         "sharegpt": [turns[0]["content"][:USER_TEXT_MAX_CHARS] for turns in load_sharegpt("heldout", limit=n)],

@@ -23,7 +23,8 @@ import dart_hf  # noqa: F401  (registers the "dart" model type)
 from dart_hf.core.modeling import DartHead
 from dart_hf.core.target import prepare_head
 from dart_hf.core.tree import TreeSearchParams
-from dart_hf.tools.assets import eval_prompts, load_target, shipped_head
+from dart_hf.tools.assets import load_target, shipped_head
+from dart_hf.tools.datasets import eval_prompts
 from dart_hf.tools.offline_acceptance import draft_rows, load_texts, mean_accepted_length, reference_texts, save_texts
 
 

@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from conftest import WORDS, make_word_tokenizer
-from dart_hf.tools import assets
+from dart_hf.tools import assets, datasets
 from dart_hf.training import data
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -66,7 +66,7 @@ def _prompts(count: int) -> list[str]:
 
 
 def test_truncated_json_array_keeps_whole_records(sharegpt_file: Path) -> None:
-    records = assets.read_json_array_prefix(sharegpt_file)
+    records = datasets.read_json_array_prefix(sharegpt_file)
     assert len(records) == 301  # 302 written, the last one cut
     assert records[-1]["id"] == "c298_0"
 
@@ -74,11 +74,11 @@ def test_truncated_json_array_keeps_whole_records(sharegpt_file: Path) -> None:
 def test_json_array_prefix_reads_an_intact_file_too(tmp_path: Path) -> None:
     path = tmp_path / "whole.json"
     path.write_text(json.dumps([{"a": 1}, {"b": 2}]))
-    assert assets.read_json_array_prefix(path) == [{"a": 1}, {"b": 2}]
+    assert datasets.read_json_array_prefix(path) == [{"a": 1}, {"b": 2}]
 
 
 def test_parse_sharegpt_converts_roles_and_skips_unusable(sharegpt_file: Path) -> None:
-    conversations = assets.parse_sharegpt(sharegpt_file)
+    conversations = datasets.parse_sharegpt(sharegpt_file)
     ids = [conv_id for conv_id, _ in conversations]
     assert "gptfirst_1" not in ids and "empty_0" not in ids
     assert len(conversations) == 299
@@ -87,38 +87,38 @@ def test_parse_sharegpt_converts_roles_and_skips_unusable(sharegpt_file: Path) -
 
 
 def test_sharegpt_split_is_deterministic_and_disjoint(sharegpt_file: Path) -> None:
-    train = assets.load_sharegpt("train", path=sharegpt_file)
-    heldout = assets.load_sharegpt("heldout", path=sharegpt_file)
+    train = datasets.load_sharegpt("train", path=sharegpt_file)
+    heldout = datasets.load_sharegpt("heldout", path=sharegpt_file)
     assert len(train) + len(heldout) == 299 and heldout
     train_prompts = {turns[0]["content"] for turns in train}
     assert not train_prompts & {turns[0]["content"] for turns in heldout}
-    expected = [turns for conv_id, turns in assets.parse_sharegpt(sharegpt_file)
-                if assets.sharegpt_split_of(conv_id) == "heldout"]
+    expected = [turns for conv_id, turns in datasets.parse_sharegpt(sharegpt_file)
+                if datasets.sharegpt_split_of(conv_id) == "heldout"]
     assert heldout == expected
-    assert assets.load_sharegpt("train", limit=3, path=sharegpt_file) == train[:3]
+    assert datasets.load_sharegpt("train", limit=3, path=sharegpt_file) == train[:3]
 
 
 def test_split_ignores_part_suffix_and_is_pinned() -> None:
-    assert assets.sharegpt_split_of("abc_0") == assets.sharegpt_split_of("abc_17")
+    assert datasets.sharegpt_split_of("abc_0") == datasets.sharegpt_split_of("abc_17")
     # Pinned values: a changed hash (or one that depends on PYTHONHASHSEED) would silently move
     # held-out prompts into training.
-    heldout = [f"c{i:03d}_0" for i in range(300) if assets.sharegpt_split_of(f"c{i:03d}_0") == "heldout"]
+    heldout = [f"c{i:03d}_0" for i in range(300) if datasets.sharegpt_split_of(f"c{i:03d}_0") == "heldout"]
     assert heldout == ["c050_0", "c065_0", "c088_0", "c091_0", "c139_0", "c141_0", "c217_0", "c240_0", "c295_0"]
 
 
 def test_train_drops_chats_that_open_with_a_heldout_prompt(tmp_path: Path) -> None:
-    heldout_id = next(f"x{i}" for i in range(10_000) if assets.sharegpt_split_of(f"x{i}") == "heldout")
-    train_id = next(f"y{i}" for i in range(10_000) if assets.sharegpt_split_of(f"y{i}") == "train")
+    heldout_id = next(f"x{i}" for i in range(10_000) if datasets.sharegpt_split_of(f"x{i}") == "heldout")
+    train_id = next(f"y{i}" for i in range(10_000) if datasets.sharegpt_split_of(f"y{i}") == "train")
     path = tmp_path / "dupes.json"
     path.write_text(json.dumps([_sharegpt_record(heldout_id, "human", "same"),
                                 _sharegpt_record(train_id, "human", "same ")]))
-    assert assets.load_sharegpt("train", path=path) == []
-    assert len(assets.load_sharegpt("heldout", path=path)) == 1
+    assert datasets.load_sharegpt("train", path=path) == []
+    assert len(datasets.load_sharegpt("heldout", path=path)) == 1
 
 
 def test_unknown_split_is_refused(sharegpt_file: Path) -> None:
     with pytest.raises(ValueError, match="split"):
-        assets.load_sharegpt("test", path=sharegpt_file)
+        datasets.load_sharegpt("test", path=sharegpt_file)
 
 
 # ---------------------------------------------------------------------------------------------- HumanEval, prompts
@@ -129,17 +129,17 @@ def test_read_humaneval(tmp_path: Path) -> None:
     problems = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "entry_point": f"f{i}"} for i in range(3)]
     with gzip.open(path, "wt", encoding="utf-8") as handle:
         handle.write("\n".join(json.dumps(p) for p in problems) + "\n")
-    assert assets.read_humaneval(path) == problems
+    assert datasets.read_humaneval(path) == problems
 
 
 def test_chat_input_ids_ends_with_generation_prompt(tokenizer: PreTrainedTokenizerFast) -> None:
-    ids = assets.chat_input_ids(tokenizer, "w1 w2 w3")
+    ids = datasets.chat_input_ids(tokenizer, "w1 w2 w3")
     assert ids.dtype == torch.long and ids.shape == (1, 6)
     assert tokenizer.decode(ids[0]) == "<user> w1 w2 w3 <eos> <assistant>"
 
 
 def test_chat_input_ids_shortens_user_text_not_template(tokenizer: PreTrainedTokenizerFast) -> None:
-    ids = assets.chat_input_ids(tokenizer, " ".join(WORDS), max_tokens=20)
+    ids = datasets.chat_input_ids(tokenizer, " ".join(WORDS), max_tokens=20)
     assert ids.shape[1] <= 20
     assert ids[0, -1].item() == tokenizer.convert_tokens_to_ids("<assistant>")
 
@@ -286,7 +286,7 @@ def test_real_smollm2_generates_coherent_text() -> None:
     assert not model.training
     eos = model.generation_config.eos_token_id
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in (eos if isinstance(eos, list) else [eos])
-    ids = assets.chat_input_ids(tokenizer, "What is the capital of France?")
+    ids = datasets.chat_input_ids(tokenizer, "What is the capital of France?")
     with torch.inference_mode():
         output = model.generate(ids, max_new_tokens=20, do_sample=False)
     text = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
@@ -295,13 +295,13 @@ def test_real_smollm2_generates_coherent_text() -> None:
 
 @pytest.mark.slow
 def test_real_sharegpt_and_humaneval() -> None:
-    raw = assets.read_json_array_prefix(assets.packaged_file(assets.SHAREGPT_FILE))
+    raw = datasets.read_json_array_prefix(assets.packaged_file(assets.SHAREGPT_FILE))
     assert len(raw) >= 17_000
-    train, heldout = assets.load_sharegpt("train"), assets.load_sharegpt("heldout")
+    train, heldout = datasets.load_sharegpt("train"), datasets.load_sharegpt("heldout")
     assert len(train) > 10_000 and 150 < len(heldout) < 400
     assert not {t[0]["content"].strip() for t in train} & {t[0]["content"].strip() for t in heldout}
     assert all(turns[0]["role"] == "user" for turns in train + heldout)
-    problems = assets.load_humaneval()
+    problems = datasets.load_humaneval()
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
 
 
@@ -309,6 +309,6 @@ def test_real_sharegpt_and_humaneval() -> None:
 def test_real_eval_prompts_are_deterministic() -> None:
     _, tokenizer = assets.load_target("smollm2-135m-instruct")
     for dataset in ("humaneval", "sharegpt"):
-        first, again = assets.eval_prompts(tokenizer, dataset, 3), assets.eval_prompts(tokenizer, dataset, 3)
+        first, again = datasets.eval_prompts(tokenizer, dataset, 3), datasets.eval_prompts(tokenizer, dataset, 3)
         assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, again))
         assert tokenizer.decode(first[0][0]).endswith("<|im_start|>assistant\n")

@@ -127,12 +127,12 @@ def test_sampled_batched_bench_and_greedy_unchanged(bench_tiny, tmp_path):
 def test_cli_sampled_run_writes_settings_and_exits_0(bench_tiny, tmp_path, monkeypatch, capsys):
     """`dart-hf bench --qwen3-sampling` end to end through `bench.main`, the tiny target standing in for the real one
     (loading and prompts patched): exit status 0 and the settings in results.json."""
-    import dart_hf.tools.assets as assets
+    import dart_hf.tools.datasets as datasets
     import dart_hf.tools.demo as demo
 
     target, head = bench_tiny
     monkeypatch.setattr(demo, "load_target_and_head", lambda *a, **k: (target, None, head))
-    monkeypatch.setattr(assets, "eval_prompts", lambda tokenizer, ds, n: prompts(n, seed=3))
+    monkeypatch.setattr(datasets, "eval_prompts", lambda tokenizer, ds, n: prompts(n, seed=3))
     status = bench.main(parse("--qwen3-sampling", "--n", "1", "--datasets", "humaneval", "--max-new-tokens", "6",
                               "--methods", "plain", "dart_tree_3", "--budget", "3", "--no-calibrate", "--no-warmup",
                               "--out", str(tmp_path)))

@@ -173,7 +173,8 @@ def _raise():
 def test_threads_on_the_real_smollm2_target_give_plain_generates_text(fast_switching):
     """Four threads on one SmolLM2 target and the shipped head (the pattern that crashed before DART calls became
     call-local): tree mode twice, chain mode, and a plain call; every output is plain `generate`'s."""
-    from dart_hf.tools.assets import chat_input_ids, load_target, shipped_head
+    from dart_hf.tools.assets import load_target, shipped_head
+    from dart_hf.tools.datasets import chat_input_ids
 
     import dart_hf  # noqa: F401
     from transformers import AutoModel

@@ -44,7 +44,8 @@ def test_returned_scores_and_logits_are_plain_generates_up_to_rounding(mode):
 def test_smollm2_scores_and_logits_are_plain_generates_up_to_rounding(mode):
     from transformers import AutoModel
 
-    from dart_hf.tools.assets import chat_input_ids, load_target, shipped_head
+    from dart_hf.tools.assets import load_target, shipped_head
+    from dart_hf.tools.datasets import chat_input_ids
 
     target, tok = load_target("smollm2-135m-instruct")
     head = AutoModel.from_pretrained(shipped_head())

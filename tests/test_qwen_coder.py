@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModel
 
 import dart_hf
-from dart_hf.tools.assets import eval_prompts, load_target
+from dart_hf.tools.assets import load_target
+from dart_hf.tools.datasets import eval_prompts
 
 CARD = Path(__file__).resolve().parent.parent / "model_cards" / "qwen2.5-coder-0.5b-instruct-dart"
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModel
 
 import dart_hf
-from dart_hf.tools.assets import eval_prompts, load_target
+from dart_hf.tools.assets import load_target
+from dart_hf.tools.datasets import eval_prompts
 
 SHIPPED = Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dart"
 pytestmark = pytest.mark.slow

@@ -229,7 +229,8 @@ def test_dart_timing_captures_the_parts_and_times_them(qwen3):
 def test_batched_compiled_step_on_smollm2_equals_plain_batched_generate():
     """SmolLM2-135M with the shipped head, a left-padded batch of 4 chat prompts (code and chat), inductor: every row
     equals plain batched `generate`, eager and static-cache compiled."""
-    from dart_hf.tools.assets import eval_prompts, load_target, shipped_head
+    from dart_hf.tools.assets import load_target, shipped_head
+    from dart_hf.tools.datasets import eval_prompts
     from dart_hf.tools.bench_timing import left_pad
 
     target, tok = load_target("smollm2-135m-instruct")
@@ -251,7 +252,8 @@ def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
     """SmolLM2-135M with the shipped head, inductor: greedy token for token as plain eager `generate` and plain
     static-cache compiled `generate`; seeded sampling through the captured step (the device walk) gives the eager
     loop's text at budget 0."""
-    from dart_hf.tools.assets import eval_prompts, load_target, shipped_head
+    from dart_hf.tools.assets import load_target, shipped_head
+    from dart_hf.tools.datasets import eval_prompts
 
     target, tok = load_target("smollm2-135m-instruct")
     head = dart_hf.DartHead.from_pretrained(shipped_head()).eval()

@@ -23,7 +23,7 @@ from dart_hf.tools.offline_acceptance import draft_rows, mean_accepted_length, r
 from dart_hf.training import corpus as corpus_module
 from dart_hf.core.modeling import DartHead
 from dart_hf.training.corpus import CORPUS_FILE, Corpus, Sequence, import_responses, load_corpus, regenerate
-from dart_hf.tools.assets import load_sharegpt
+from dart_hf.tools.datasets import load_sharegpt
 from dart_hf.training.data import prompt_token_ids, sharegpt_chat_prompts, sharegpt_code_prompts
 from dart_hf.training.batches import training_order
 from dart_hf.training.head_init import new_head, widen_draft_vocab

@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from transformers.utils import logging as hf_logging
 
-    from .assets import eval_prompts
+    from .datasets import eval_prompts
     from .demo import load_target_and_head
 
     hf_logging.set_verbosity_error()

@@ -27,8 +27,9 @@ from typing import Callable
 import torch
 from transformers import TextStreamer
 
-from .assets import announce_installs, chat_input_ids, load_target, shipped_head
+from .assets import announce_installs, load_target, shipped_head
 from .calibrate import CpuUse, ThreadChoice, choose_threads
+from .datasets import chat_input_ids
 from ..core.modeling import DartHead
 from ..core.target import check_head_matches_target, prepare_head
 

@@ -25,7 +25,8 @@ import torch
 
 from ..core.modeling import DartHead
 from ..core.tree import TreeSearchParams
-from .assets import HUMANEVAL_FILE, SHAREGPT_FILE, announce_installs, cache_dir, eval_prompts, load_target
+from .assets import HUMANEVAL_FILE, SHAREGPT_FILE, announce_installs, cache_dir, load_target
+from .datasets import eval_prompts
 from .offline_acceptance import DraftRows, Text, draft_rows, load_texts, mean_accepted_length, reference_texts, save_texts
 
 DATASETS = ("humaneval", "sharegpt")

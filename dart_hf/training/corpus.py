@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..tools.assets import HUMANEVAL_INSTRUCTION, load_humaneval
+from ..tools.datasets import HUMANEVAL_INSTRUCTION, load_humaneval
 from .data import (_chunks, generate_batch, greedy_config, prompt_token_ids, sharegpt_chat_prompts,
                    sharegpt_code_prompts, sharegpt_training_prompts)
 
@@ -290,7 +290,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
 
     target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     if args.conversations:
-        from ..tools.assets import load_sharegpt
+        from ..tools.datasets import load_sharegpt
 
         chats = load_sharegpt("train", limit=args.num_prompts)
         added = import_conversations(tokenizer, chats, args.out, target.config.get_text_config().vocab_size,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..tools.assets import USER_TEXT_MAX_CHARS, chat_input_ids, load_sharegpt
+from ..tools.datasets import USER_TEXT_MAX_CHARS, chat_input_ids, load_sharegpt
 
 PROMPT_MAX_TOKENS = 384
 """Prompts are cut to this many tokens: longer ones cost quadratic attention for little extra signal."""

@@ -13,7 +13,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from ..tools.assets import load_sharegpt, load_target
+from ..tools.assets import load_target
+from ..tools.datasets import load_sharegpt
 from ..core.ngram import NGramModel
 from .corpus import load_corpus
 

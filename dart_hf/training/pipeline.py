@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from ..tools.assets import eval_prompts, load_target
+from ..tools.assets import load_target
+from ..tools.datasets import eval_prompts
 from ..tools.evaluation import acceptance_report
 from ..core.modeling import DartHead
 from ..core.ngram import FILE_NAME as NGRAM_FILE
