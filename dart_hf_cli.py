@@ -92,8 +92,8 @@ def _bench(sub) -> None:
                    help="run N busy-loop processes beside the methods (bare --load: one per core)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="subset of: plain prompt_lookup dart_chain dart_tree_<budget> "
-                   "dart_tree_auto dart_tree_auto_no_lookup, with --compiled also plain_compiled dart_compiled_<budget> "
-                   "(plain always runs)")
+                   "dart_tree_auto dart_tree_auto_no_lookup, with --compiled also plain_compiled "
+                   "dart_compiled_<budget> dart_compiled_auto (plain always runs)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], metavar="B",
                    help="batch size(s): with any B > 1, plain batched generate and the batched DART methods on "
                    "left-padded batches of B prompts, per B (1: one prompt at a time; prompts per data set: at least "
@@ -107,12 +107,14 @@ def _bench(sub) -> None:
     p.add_argument("--synthetic", action="store_true",
                    help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")
     p.add_argument("--compiled", action="store_true",
-                   help="also time static cache + torch.compile: plain_compiled (generate) and dart_compiled_<budget> "
-                   "at each --budget, one row each, with their speed-up over plain_compiled; each is first called once "
-                   "on every prompt to compile (about a minute per method for SmolLM2 on a CPU), those seconds are "
-                   "reported apart. With --synthetic: plain and DART compiled step times per budget")
+                   help="also time static cache + torch.compile: plain_compiled (generate), dart_compiled_<budget> "
+                   "at each --budget and dart_compiled_auto, one row each, with their speed-up over plain_compiled; "
+                   "each is first called once on every prompt to compile (about a minute per method for SmolLM2 on "
+                   "a CPU), those seconds are reported apart. With --synthetic: plain and DART compiled step times "
+                   "per budget")
     p.add_argument("--compile-backend", default="inductor",
-                   help="torch.compile backend of the compiled methods (\"eager\": dynamo's capture only, a quick check)")
+                   help="torch.compile backend of the compiled methods "
+                   "(\"eager\": dynamo's capture only, a quick check)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, each method once more on one prompt per data set, untimed: top-level "
                    "aten ops and host syncs per decoding step and per new token (results.md, results.json)")
@@ -228,7 +230,8 @@ def _train(sub) -> None:
                    help="a new head's layer starts as the target's last decoder layer (MLP, o_proj, norms; q/k/v on "
                    "the feature half) instead of a random init")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="a training time budget: the learning-rate schedule runs on this clock and training stops there")
+                   help="a training time budget: the learning-rate schedule runs on this clock and training stops "
+                   "there")
     p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no", help="bf16 autocast for the head (GPU)")
     p.add_argument("--cache-features", action="store_true",
                    help="keep the target's features in memory after their first forward, so later epochs skip the "

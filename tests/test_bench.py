@@ -214,15 +214,15 @@ def test_left_pad_and_new_token_counts():
 # ------------------------------------------------------------------------------------------ compiled rows, --profile
 # compile backend "eager": dynamo captures the graphs (fullgraph, the same guards and recompiles as inductor) without
 # generating code, seconds instead of minutes
-def compiled_methods(budget: int = 3) -> list:
+def compiled_methods(budget: int = 3, *more: str) -> list:
     standard = {m.name: m for m in standard_methods(fixed_budget=[budget], compiled=True,
                                                     compile_backend="eager")}
-    return [standard[n] for n in ("plain", f"dart_tree_{budget}", "plain_compiled", f"dart_compiled_{budget}")]
+    return [standard[n] for n in ("plain", f"dart_tree_{budget}", "plain_compiled", f"dart_compiled_{budget}", *more)]
 
 
 def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(bench_tiny, tmp_path):
     target, head = bench_tiny
-    methods = compiled_methods()
+    methods = compiled_methods(3, "dart_compiled_auto")
     assert all(m.one_row_only is None for m in methods[2:])  # they decode batches too
     data = {"x": prompts(2, seed=9)}
     results = bench.run_bench(target, head, data, max_new_tokens=10, methods=methods, out_dir=tmp_path,
@@ -238,7 +238,9 @@ def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(be
     assert dart["target_forwards"] == dart["steps"] + 2 * len(data["x"])
     assert "step" not in rows["dart_tree_3"]["phase_ms"]
     warm = results["compile_warmup"]
-    assert list(warm) == ["plain_compiled", "dart_compiled_3"]
+    assert list(warm) == ["plain_compiled", "dart_compiled_3", "dart_compiled_auto"]
+    auto = rows["dart_compiled_auto"]  # the cost-aware size a static call holds: one size for every step
+    assert auto["baseline"] == "plain_compiled" and len(auto["node_budget_counts"]) == 1, auto["node_budget_counts"]
     assert all(w["calls"] == 2 and w["seconds"] >= w["first_call_seconds"] > 0 for w in warm.values())
     md = (tmp_path / "results.md").read_text()
     assert "| vs generate, static cache + compile |" in md and "| DART, static cache + compile, budget 3 |" in md

@@ -13,6 +13,7 @@ On the same prompts (HumanEval and held-out ShareGPT), greedy, after a warm-up g
 
     plain_compiled      target.generate(ids, cache_implementation="static", compile_config=...)
     dart_compiled_<B>   the same with assistant_model=head, dart_node_budget=B (`core.static_step`), per --budget
+    dart_compiled_auto  the same with dart_node_budget="auto" (the cost-aware tree size the static call holds)
 
 reported also as a speed-up over plain_compiled; each is first called once on every prompt, untimed, to compile (those
 seconds are reported apart). `--profile` adds top-level aten ops and host syncs per decoding step and per new token
@@ -44,7 +45,8 @@ every row is compared with plain's. Prompt lookup and chain mode decode one row 
 at B = 1 only (the report says so); the static-cache (compiled) methods decode greedy batches too (every batch is first
 run once, untimed, to compile). Reported per data set and B:
 tokens/s (each row's new tokens up to its first EOS, over the wall time of the batch's calls), the ratio to plain at
-the same B, and the DART methods' tree sizes per row (`results["batches"]`, results.md, and results.png: tokens/s against B, a panel per data set).
+the same B, and the DART methods' tree sizes per row (`results["batches"]`, results.md, and results.png: tokens/s
+against B, a panel per data set).
 
 Under `torchrun` (`python -m torch.distributed.run --nproc-per-node N -m dart_hf_cli bench ...`, or `torchrun
 $(which dart-hf) bench ...`) the target is loaded tensor-parallel (`tp_plan="auto"`: gloo on CPU, nccl on GPUs),

@@ -79,18 +79,20 @@ def compile_config(device: torch.device, backend: str = "inductor"):
 
 
 def compiled_methods(budgets: list[int], backend: str = "inductor") -> list[Method]:
-    """plain_compiled (`generate(ids, cache_implementation="static", compile_config=...)`) and dart_compiled_<B> (the
-    same with the head at node budget B: `core.static_step`); one row or a left-padded greedy batch each."""
+    """plain_compiled (`generate(ids, cache_implementation="static", compile_config=...)`), dart_compiled_<B> (the
+    same with the head at node budget B: `core.static_step`) and dart_compiled_auto (the cost-aware size the call
+    holds: `batch_budget.held_budget`); one row or a left-padded batch each."""
     def plain(t, h, ids, **kw):
         return t.generate(ids, cache_implementation="static", compile_config=compile_config(t.device, backend), **kw)
 
-    def dart(budget: int) -> Method:
-        return Method(f"dart_compiled_{budget}", f"DART, static cache + compile, budget {budget}",
+    def dart(budget: int | str) -> Method:
+        label = "cost-aware" if budget == "auto" else f"budget {budget}"
+        return Method(f"dart_compiled_{budget}", f"DART, static cache + compile, {label}",
                       lambda t, h, ids, **kw: plain(t, h, ids, assistant_model=h, dart_node_budget=budget, **kw),
                       tree=True, compiled=True, baseline="plain_compiled")
 
     return [Method("plain_compiled", "generate, static cache + compile", plain, compiled=True),
-            *(dart(b) for b in budgets)]
+            *(dart(b) for b in [*budgets, "auto"])]
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
