@@ -34,7 +34,7 @@ def test_a_held_call_takes_the_batch_rules_best_tree_for_its_rows_and_keeps_it_u
     best = policy.candidates.index(held[4])
     outcomes = set()
     for i, previous in enumerate(policy.candidates[1:], start=1):
-        policy.held[4] = previous
+        policy.held_sizes[4] = previous
         kept = bool(tps[best] < (1 + policy.knobs.batch_margin) * tps[i])
         assert policy.call_budget(4) == (previous if kept else held[4]), previous
         outcomes.add(kept and previous != held[4])
@@ -82,7 +82,7 @@ def test_the_static_step_feeds_the_policy_the_acceptance_the_eager_step_would(le
     out = target.generate(ids, assistant_model=head, cache_implementation="static", dart_budget_state=state,
                           dart_stats=stats, **gen)
     assert torch.equal(out, target.generate(ids, **gen))
-    size = static.held[len(lengths)]
+    size = static.held_sizes[len(lengths)]
     assert stats["static"] and stats["budget_mode"] == "auto" and stats["node_budget"] == size
     assert size == (7 if len(lengths) == 1 else 1)  # nothing known yet: `first_tree` (3 rows x 2 nodes <= 8)
     assert len(static.seen) == stats["steps"] and {b for b, _ in static.seen} == {size}

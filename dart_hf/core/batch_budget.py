@@ -128,7 +128,7 @@ def held_budget(policy, rows: int) -> int:
     rule's model (one row is a batch of one), kept from the policy's previous held call of as many rows unless the new
     one promises `batch_margin` more (a new size costs a compile). Before any acceptance is known: `first_tree`. Call
     under `policy.lock`."""
-    expected, previous = _expected(policy), policy.held.get(rows)
+    expected, previous = _expected(policy), policy.held_sizes.get(rows)
     if expected is None:
         choice = first_tree(policy, rows) if previous is None else previous
     else:
@@ -138,7 +138,7 @@ def held_budget(policy, rows: int) -> int:
         if previous is not None and tps[cands.index(choice)] < (1.0 + policy.knobs.batch_margin) * tps[
                 cands.index(previous)]:
             choice = previous
-    policy.held[rows] = choice
+    policy.held_sizes[rows] = choice
     return choice
 
 
