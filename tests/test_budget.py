@@ -78,7 +78,7 @@ def test_counterfactual_acceptance_equals_rebuilding_smaller_trees():
             tree = build_tree(draft, params=params(budget), **kw)
             path, new = accept_greedy(tree, verify_tree(target, tree, cache, past))
             policy = BudgetPolicy(VerifyCost(list(range(1, budget + 2)), [0.01] * (budget + 1)))  # budgets 0..48
-            policy.observe(budget, path_ranks(DraftTrees.stack([tree]), path[None], [path.numel()])[0])
+            policy.observe(budget, path_ranks(DraftTrees.stack([tree]).ranks(path[None]), [path.numel()])[0])
             assert policy.expected_accepted()[1:].tolist() == actual  # what it predicts for every smaller tree
             assert actual[-1] == path.numel() - 1
             lengths.append(actual[-1])

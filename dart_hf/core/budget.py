@@ -73,11 +73,11 @@ class BudgetKnobs:
     batch_margin: float = 0.1  # a batch drafts only when a tree promises this much more than plain decoding
 
 
-def path_ranks(trees: DraftTrees, paths: torch.Tensor, lengths: Sequence[int]) -> list[list[int]]:
+def path_ranks(ranks: torch.Tensor, lengths: Sequence[int]) -> list[list[int]]:
     """Per row, the score rank (0 = best non-root node) of every accepted draft node (the path without its root), in
-    path order. paths [rows, M]: root first, the first lengths[r] of row r real (`DraftTrees.ranks`). One host read
-    for every row."""
-    return [r[: n - 1] for r, n in zip(trees.ranks(paths).tolist(), lengths)]
+    path order: `ranks` [rows, M - 1] (`DraftTrees.ranks` of paths whose first lengths[r] nodes are row r's) cut to
+    each row's path. One host read for every row."""
+    return [r[: n - 1] for r, n in zip(ranks.tolist(), lengths)]
 
 
 class BudgetPolicy:
@@ -294,10 +294,8 @@ class CallBudget:
         lengths = step.lengths.tolist()
         if budget == 0:
             ranks = [()] * len(lengths)
-        elif step.ranks is not None:
-            ranks = [r[: n - 1] for r, n in zip(step.ranks.tolist(), lengths)]
-        else:
-            ranks = path_ranks(trees, step.paths, lengths)
+        else:  # the static step read its ranks with its result; the eager one ranks its paths here
+            ranks = path_ranks(trees.ranks(step.paths) if step.ranks is None else step.ranks, lengths)
         if self.held:
             self.policy.observe_rows(budget, ranks)
         elif self.rows == 1:
