@@ -1,12 +1,14 @@
 """A cost-aware call held at one tree size (the static step: each size is a compiled graph of its own): its size comes
 from the batch rule's model at the call's rows, stays from call to call unless another size is clearly better, and
-its steps feed the policy their acceptance (score ranks read with the step's result), as the eager step's do."""
+its steps feed the policy their acceptance (score ranks read with the step's result), as the eager step's do. Where
+the held calls' own step times show that the tree does not pay, the whole call is plain decoding: plain `generate`."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from conftest import informed_policy, left_padded, make_head, make_target
 from dart_hf.core.batch_budget import batch_budget, first_tree
@@ -27,7 +29,7 @@ def test_a_held_call_takes_the_batch_rules_best_tree_for_its_rows_and_keeps_it_u
     policy = informed_policy(curve)
     held = {rows: policy.call_budget(rows) for rows in (1, 4, 8, 32)}
     assert held == {rows: batch_budget(policy, rows, drafting_only=True) for rows in held}
-    assert all(b > 0 for b in held.values()), held  # never plain decoding: the held step has no such graph
+    assert all(b > 0 for b in held.values()), held  # no held call timed yet: a tree (plain decoding: below)
     assert list(held.values()) == sorted(held.values(), reverse=True) and held[1] > held[32], held
     # the previous call's size stays unless the best promises batch_margin (10%) more tokens per second
     tps = 4 * (1 + policy.expected_accepted()) / policy.batch_times.step_seconds(4)
@@ -92,3 +94,100 @@ def test_the_static_step_feeds_the_policy_the_acceptance_the_eager_step_would(le
     assert torch.equal(target.generate(ids, assistant_model=head, dart_budget_state=eager_state, **gen), out)
     # the last steps may differ: the eager trees stop at max_new_tokens, the static ones at the last position
     assert static.seen[:-2] == eager.seen[: len(static.seen) - 2] and len(static.seen) > 3
+
+
+# ------------------------------------------------------------------------------------------------ plain decoding
+def test_a_held_call_goes_to_plain_decoding_where_its_measured_tree_does_not_pay_and_probes_the_other_side():
+    """The held tree until its steps are timed, plain decoding once, then the side with more tokens per second per
+    row by the held calls' own step times (a tree needs `batch_margin` more), the other side probed once every
+    loss / probe_share calls."""
+    policy = informed_policy(None)  # no curve: candidates 0 and 3; E[accepted | 3] = 2.0, 3 tokens per tree step
+    assert policy.candidates == [0, 3] and policy.call_budget(1) == 3  # the tree's steps are not timed yet
+    policy.observe_held(1, 3, 0.030)  # 100 tokens/s
+    assert policy.call_budget(1) == 0  # plain decoding is timed once
+    cases = {0.012: (3, 0.2), 0.0105: (0, 0.1), 0.010: (0, 0.1), 0.060: (3, 5.0), 0.005: (0, 1.0)}
+    for plain_step, (choice, loss) in cases.items():
+        measured = informed_policy(None)
+        measured.observe_held(1, 3, 0.030)
+        measured.observe_held(1, 0, plain_step)
+        calls = [measured.call_budget(1) for _ in range(400)]
+        probes = sum(b != choice for b in calls)
+        assert calls.count(choice) > 300, (plain_step, calls[:20])
+        assert abs(probes - 400 * measured.knobs.probe_share / loss) <= 1, (plain_step, probes)  # one in loss / share
+    assert policy.call_budget(2) == 3  # each row count is measured apart
+
+
+class Ticks:
+    """A clock that advances one second per reading: a held tree step (read at its start and its end) takes 1 s, a
+    plain call's steps share the 1 s between the clock's two readings."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.tolist())
+
+    def end(self):
+        self.chunks.append("end")
+
+
+@pytest.mark.parametrize("lengths", [[7], [5, 11, 3]])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_static_auto_call_handed_to_plain_decoding_is_plain_generate(lengths, do_sample):
+    """The held rule's flow through `generate`: the first static call drafts (its steps after the first are timed),
+    the second runs plain decoding (transformers' own loop: plain `generate`'s tokens, stream and, sampled, its text
+    for the seed and the RNG after it), which the scripted clock makes the cheaper side, so the third runs it too."""
+    target = make_target("llama")
+    head = make_head(target, node_budget=None)
+    ids, mask = left_padded(lengths, seed=5)
+    gen = dict(attention_mask=mask, do_sample=do_sample, max_new_tokens=16, eos_token_id=None)
+    state = BudgetState(clock=Ticks())
+    policy = state.policy(target, head.config.prompt_lookup, do_sample)
+    rows = len(lengths)
+    budgets = []
+    for call in range(3):
+        stats, stream, plain_stream = DartStats(), Collect(), Collect()
+        torch.manual_seed(call)
+        out = target.generate(ids, assistant_model=head, cache_implementation="static", dart_budget_state=state,
+                              dart_stats=stats, streamer=stream, **gen)
+        rng = torch.get_rng_state()
+        torch.manual_seed(call)
+        plain = target.generate(ids, streamer=plain_stream, **gen)
+        if not do_sample or stats.node_budget == 0:  # a drafting call samples with DART's own noise (README)
+            assert torch.equal(out, plain), call
+        if stats.node_budget == 0:
+            assert stream.chunks == plain_stream.chunks and torch.equal(rng, torch.get_rng_state())
+            assert stats.static_reason.startswith("plain decoding for the call") and stats.budget_mode == "auto"
+            assert stats.new_tokens == 16 and stats.steps == 15 and set(stats.node_budgets) == {0}
+        budgets.append(stats.node_budget)
+        timed = {size: len(policy.held_times.seconds.get((rows, size), ())) for size in (budgets[0], 0)}
+        if call == 0:
+            assert timed == {budgets[0]: min(stats.steps - 1, policy.knobs.window), 0: 0}, timed  # not the first
+    assert budgets[0] > 0 and budgets[1:] == [0, 0], budgets
+    assert timed[0] == 2 and policy.held_times.median(rows, 0) == pytest.approx(1.0 / 14)
+
+
+def test_a_static_call_at_budget_zero_is_plain_generate():
+    """Asked for, budget 0 on a static cache is plain static `generate` itself: tokens, scores, sampled text."""
+    target = make_target("llama")
+    head = make_head(target)
+    ids, mask = left_padded([6, 9], seed=8)
+    gen = dict(attention_mask=mask, do_sample=True, max_new_tokens=12)
+    stats = DartStats()
+    torch.manual_seed(3)
+    out = target.generate(ids, assistant_model=head, cache_implementation="static", dart_node_budget=0,
+                          dart_stats=stats, return_dict_in_generate=True, output_scores=True, **gen)
+    torch.manual_seed(3)
+    plain = target.generate(ids, cache_implementation="static", return_dict_in_generate=True, output_scores=True, **gen)
+    assert torch.equal(out.sequences, plain.sequences) and len(out.scores) == len(plain.scores)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, plain.scores))
+    assert stats.node_budget == 0 and stats.budget_mode == "fixed" and "node budget 0" in stats.static_reason

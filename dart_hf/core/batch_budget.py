@@ -122,12 +122,30 @@ def next_batch_budget(policy, rows: int) -> int:
     return choice
 
 
+class HeldTimes:
+    """What calls held at one size measured, per row count (guarded by `policy.lock`): the step seconds of the held
+    tree (each call's steps after its first, which may compile) and of plain decoding (transformers' own loop on the
+    static cache, its steps after the first, one mean per call), and the held calls since the last probe."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.seconds: dict[tuple[int, int], deque] = {}  # (rows, size; 0: plain decoding) -> step seconds
+        self.since_probe: dict[int, int] = {}
+
+    def observe(self, rows: int, size: int, seconds: float) -> None:
+        self.seconds.setdefault((rows, size), deque(maxlen=self.window)).append(seconds)
+
+    def median(self, rows: int, size: int) -> float | None:
+        measured = self.seconds.get((rows, size))
+        return statistics.median(measured) if measured else None
+
+
 def held_budget(policy, rows: int) -> int:
     """The one tree size of a call of `rows` rows held at one size (the static step: each size is a compiled graph of
-    its own, and plain decoding is not one of them): the tree with the most expected tokens per second by the batch
-    rule's model (one row is a batch of one), kept from the policy's previous held call of as many rows unless the new
-    one promises `batch_margin` more (a new size costs a compile). Before any acceptance is known: `first_tree`. Call
-    under `policy.lock`."""
+    its own), or 0: plain decoding for the whole call (`_plain_or_tree`). The tree is the one with the most expected
+    tokens per second by the batch rule's model (one row is a batch of one), kept from the policy's previous held call
+    of as many rows unless the new one promises `batch_margin` more (a new size costs a compile). Before any
+    acceptance is known: `first_tree`. Call under `policy.lock`."""
     expected, previous = _expected(policy), policy.held_sizes.get(rows)
     if expected is None:
         choice = first_tree(policy, rows) if previous is None else previous
@@ -139,7 +157,29 @@ def held_budget(policy, rows: int) -> int:
                 cands.index(previous)]:
             choice = previous
     policy.held_sizes[rows] = choice
-    return choice
+    return choice if expected is None else _plain_or_tree(policy, rows, choice, expected)
+
+
+def _plain_or_tree(policy, rows: int, tree: int, expected: np.ndarray) -> int:
+    """Plain decoding (0) or the held `tree` for a call of `rows` rows, by what held calls of as many rows measured
+    (`HeldTimes`): the tree until its steps are timed, then plain decoding once, then the side with more tokens per
+    second per row, (1 + E[accepted]) / step seconds against 1 / plain step seconds (a tree must promise
+    `batch_margin` more, as for a batch). The other side is probed now and then, as the one-row rule's probes are
+    paced: a probe that loses a share L of a call runs once every L / `probe_share` calls (L at least
+    `batch_margin`), so probes cost about `probe_share` of the time and acceptance keeps being observed while plain
+    decoding is chosen."""
+    times, knobs = policy.held_times, policy.knobs
+    tree_step, plain_step = times.median(rows, tree), times.median(rows, 0)
+    if tree_step is None:
+        return tree
+    if plain_step is None:
+        return 0
+    gain = (1.0 + expected[policy.candidates.index(tree)]) * plain_step / tree_step  # tree over plain, tokens / s
+    choice, other = (tree, 0) if gain >= 1.0 + knobs.batch_margin else (0, tree)
+    loss = max((gain if choice else 1.0 / gain) - 1.0, knobs.batch_margin)
+    calls = times.since_probe.get(rows, 0) + 1
+    times.since_probe[rows] = 0 if calls * knobs.probe_share >= loss else calls
+    return other if times.since_probe[rows] == 0 else choice
 
 
 def _best(policy, tps: np.ndarray, drafting_only: bool = False) -> int:
@@ -173,4 +213,4 @@ def _expected(policy) -> np.ndarray | None:
     return expected[last]
 
 
-__all__ = ["BatchTimes", "batch_budget", "first_tree", "held_budget", "next_batch_budget"]
+__all__ = ["BatchTimes", "HeldTimes", "batch_budget", "first_tree", "held_budget", "next_batch_budget"]

@@ -49,8 +49,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 import transformers
+from transformers import LogitsProcessor
 
-from .batch_budget import BatchTimes, held_budget, next_batch_budget
+from .batch_budget import BatchTimes, HeldTimes, held_budget, next_batch_budget
 from .cost import VerifyCost, cost_file, cost_key, load_curve, nearest_size
 from .distributed import shared_budget, tensor_parallel_group
 from .stats import PhaseTimer
@@ -106,7 +107,8 @@ class BudgetPolicy:
         self._since_probe = 0.0  # seconds of steps at the choice since the last probe
         self._probing = False
         self._probe_turn = 0  # which probe comes next: above the choice, the runner-up, plain decoding
-        self.held_sizes: dict[int, int] = {}  # rows -> the size of the latest call held at one size (`call_budget`)
+        self.held_sizes: dict[int, int] = {}  # rows -> the tree of the latest call held at one size (`call_budget`)
+        self.held_times = HeldTimes(k.window)  # what calls held at one size measured (`batch_budget.held_budget`)
 
     # -- observing
     def start(self) -> None:
@@ -149,6 +151,11 @@ class BudgetPolicy:
         if seconds is not None and budget in self.times:
             self.times[budget].append((self.steps, seconds))
             self._since_probe += 0.0 if self._probing else seconds
+
+    def observe_held(self, rows: int, size: int, seconds: float) -> None:
+        """A step of a call of `rows` rows held at `size` (0: plain decoding, a call's mean step) took `seconds`."""
+        with self.lock:
+            self.held_times.observe(rows, size, seconds)
 
     # -- estimates
     def expected_accepted(self) -> np.ndarray:
@@ -213,8 +220,8 @@ class BudgetPolicy:
             return self.choice
 
     def call_budget(self, rows: int) -> int:
-        """The tree size of a whole call of `rows` rows that cannot change it per step (the static step:
-        `batch_budget.held_budget`)."""
+        """The tree size of a whole call of `rows` rows that cannot change it per step (the static step), or 0: plain
+        decoding for the call (`batch_budget.held_budget`)."""
         with self.lock:
             return held_budget(self, rows)
 
@@ -249,13 +256,16 @@ class CallBudget:
     times are exact; where they are launch times, CUDA without `dart_timing`, the whole step up to its host read is
     the verify time and drafting 0, so the rule learns on every device). A call held at one tree size (`hold`: the
     static step) feeds the policy its acceptance only: its compiled steps' times are not the eager steps' the rule
-    prices. A tensor-parallel target takes the first rank's choice on every rank."""
+    prices, but its own rule's: each step after the call's first (which may compile) is timed whole (it ends in the
+    static step's one host read), and a call handed to plain decoding reports its mean step (`observe_plain`). A
+    tensor-parallel target takes the first rank's choice on every rank."""
 
     def __init__(self, policy: BudgetPolicy | None, fixed: int, target, timer: PhaseTimer):
         self.policy, self.fixed, self.timer, self.target = policy, fixed, timer, target
         self.group = tensor_parallel_group(target) if policy is not None else None
         self.held = policy is None
         self.rows, self.started, self.drafted, self.drafted_before = 0, 0.0, 0.0, False
+        self.call_rows, self.held_steps = 0, 0
 
     @property
     def mode(self) -> str:
@@ -269,6 +279,7 @@ class CallBudget:
     def call_budget(self, rows: int) -> int:
         """The one tree size of a call of `rows` rows that cannot change it per step: the fixed one, or the policy's
         (`BudgetPolicy.call_budget`)."""
+        self.call_rows = rows
         return self.fixed if self.policy is None else self.policy.call_budget(rows)
 
     def hold(self, budget: int) -> None:
@@ -278,6 +289,7 @@ class CallBudget:
     def next(self, rows: int) -> int:
         """This step's node budget per row, for `rows` active rows."""
         if self.held:
+            self.started = self.policy.clock() if self.policy is not None else 0.0
             return self.fixed
         self.rows = rows
         budget = shared_budget(self.group, self.policy.next_budget(rows), self.target)
@@ -298,6 +310,9 @@ class CallBudget:
             ranks = path_ranks(trees.ranks(step.paths) if step.ranks is None else step.ranks, lengths)
         if self.held:
             self.policy.observe_rows(budget, ranks)
+            if self.held_steps:
+                self.policy.observe_held(self.call_rows, budget, self.policy.clock() - self.started)
+            self.held_steps += 1
         elif self.rows == 1:
             self.policy.observe(budget, ranks[0])
         elif self.timer.exact:
@@ -308,9 +323,51 @@ class CallBudget:
                                       0.0, self.drafted_before, ranks)
         self.drafted_before = budget > 0
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The policy's clock (seconds), or `time.perf_counter` for a fixed budget."""
+        return time.perf_counter if self.policy is None else self.policy.clock
+
+    def observe_plain(self, clock: "PlainStepClock") -> None:
+        """The call ran plain decoding (transformers' own loop): its mean step time, for the held-size rule."""
+        seconds = clock.step_seconds()
+        if self.policy is not None and seconds is not None:
+            self.policy.observe_held(self.call_rows, 0, seconds)
+
     def _drafting(self) -> float:
         """Seconds spent so far on head forwards and tree searches (the drafter times its phases into `timer`)."""
         return self.timer.totals.get("draft", 0.0) + self.timer.totals.get("tree", 0.0)
+
+
+class PlainStepClock(LogitsProcessor):
+    """Times plain decoding's steps inside transformers' own loop, for the held-size rule (a call handed to plain
+    decoding: `loop._plain_call`): a logits processor that returns the scores unchanged and notes each call, one per
+    step after its forward. The clock starts at the second call (the first is the prefill's, the next follows the
+    first decoding step, which may compile); on an accelerator that call and the end synchronise, once each, so the
+    steps between are timed whole."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock, self.calls, self.started, self.device = clock, 0, 0.0, None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            self.device = scores.device
+            _synchronize(self.device)
+            self.started = self.clock()
+        return scores
+
+    def step_seconds(self) -> float | None:
+        """Mean seconds of the steps after the second (None: fewer than two of them)."""
+        if self.calls < 4:
+            return None
+        _synchronize(self.device)
+        return (self.clock() - self.started) / (self.calls - 2)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 class BudgetState:
@@ -392,4 +449,5 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
     return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup, sampled)
 
 
-__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "CallBudget", "budget_policy", "path_ranks"]
+__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "CallBudget", "PlainStepClock", "budget_policy",
+           "path_ranks"]

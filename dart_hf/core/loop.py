@@ -22,6 +22,9 @@ What plain batched `generate` does, and how it is kept:
 - Sampling: the target's own draw at each visited node, with noise given by each row's seed and the token's position
   (`acceptance`): the same seed gives the same text at every node budget and on either backend, but not plain
   `generate`'s text (it draws with `torch.multinomial`).
+
+A static call at a node budget of 0 (asked for, or the cost-aware rule's choice: `batch_budget.held_budget`) is plain
+decoding for the whole call, transformers' own loop (`_plain_call`): plain `generate`'s tokens and sampled text.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .acceptance import BatchAccepted, StepAcceptance
-from .budget import BudgetPolicy, CallBudget, budget_policy
+from .budget import BudgetPolicy, CallBudget, PlainStepClock, budget_policy
 from .checks import (check_cache, check_call, check_model_inputs, check_node_budget, check_padding, check_processors,
                      eager_cache, is_batch, prepare_call)
 from .distributed import check_tensor_parallel_call
@@ -96,6 +99,9 @@ def dart_decode(
     keep = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
     accept = StepAcceptance(logits_processor, bool(config.do_sample), rows, keep, model.device)
     backend = _backend(model, head, input_ids, mask, rows, config, model_kwargs, budgets, lookup, accept, keep)
+    if backend is None:  # plain decoding for the whole call
+        return _plain_call(model, input_ids, logits_processor, stopping_criteria, config, dart_streamer, budgets, stats,
+                           model_kwargs)
     stats.budget_mode, stats.node_budget, stats.acceptance = budgets.mode, budgets.fixed, accept.mode
     pad_id, pad_finished = config._pad_token_tensor, any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     out_stream = ColumnStream(dart_streamer, rows, pad_id)
@@ -157,13 +163,17 @@ def _call_budget(head: DartHead, model, requested, lookup: bool, state, timer: P
 
 
 def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig, model_kwargs: dict,
-             budgets: CallBudget, lookup: bool, accept: StepAcceptance, keep: bool) -> StepBackend:
+             budgets: CallBudget, lookup: bool, accept: StepAcceptance, keep: bool) -> StepBackend | None:
     """The static step when the call asks for a static cache and it can run it (one tree size for the call:
-    `CallBudget.call_budget`), else the eager step."""
+    `CallBudget.call_budget`), else the eager step; None: the call asks for a static cache at a budget of 0 (plain
+    decoding for the call, `_plain_call`)."""
     static, reason = None, None
     if static_requested(config, model_kwargs):
-        static, reason = static_step(model, head, input_ids, mask, config, budgets.call_budget(len(rows)), lookup,
-                                     head.config.aux_layer_ids, accept.vectorised)
+        budget = budgets.call_budget(len(rows))
+        if budget == 0:
+            return None
+        static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
+                                     accept.vectorised)
     if static is not None:
         budgets.hold(static.nodes - 1)
         if not accept.vectorised:
@@ -197,6 +207,28 @@ def _prefill(model, input_ids, attention_mask, rows: Rows, backend: StepBackend,
     one = torch.ones(len(rows), dtype=torch.long)
     return BatchAccepted(paths=torch.zeros_like(one).unsqueeze(1), lengths=one, tokens=first.unsqueeze(1),
                          scores=processed.unsqueeze(1), logits=raw.unsqueeze(1))
+
+
+def _plain_call(model, input_ids, logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList,
+                config: GenerationConfig, streamer, budgets: CallBudget, stats: DartStats, model_kwargs: dict):
+    """Plain decoding for the whole call: transformers' own loop (`_sample`) on the cache and with the arguments
+    `generate` prepared, compiled where plain `generate` compiles, so the call is plain `generate`'s, sampled text
+    included. Where a static call's budget is 0: asked for, or the held-size rule's choice where drafting did not pay
+    at these rows (`batch_budget.held_budget`); its mean step is timed for that rule (`PlainStepClock`)."""
+    clock = PlainStepClock(budgets.clock)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    out = model._sample(input_ids, LogitsProcessorList([*logits_processor, clock]), stopping_criteria, config,
+                        streamer=streamer, **model_kwargs)
+    budgets.observe_plain(clock)
+    stats.budget_mode, stats.node_budget = budgets.mode, 0
+    for _ in range(clock.calls - 1):
+        stats.record_step(1, 0)
+    stats.new_tokens = clock.calls
+    stats.static, stats.compiled = True, bool(model._valid_auto_compile_criteria(model_kwargs, config))
+    stats.static_reason = ("plain decoding for the call (transformers' own loop): " + (
+        "node budget 0" if budgets.policy is None else "drafting did not pay at this batch size, or a probe of it"))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ after a step

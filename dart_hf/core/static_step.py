@@ -48,7 +48,7 @@ def static_requested(generation_config: GenerationConfig, model_kwargs: dict) ->
 
 
 def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
-                   node_budget: int, tensor_parallel: bool, vectorised: bool) -> str | None:
+                   tensor_parallel: bool, vectorised: bool) -> str | None:
     """Why this call cannot take the static step (it then runs the eager loop, exactly), or None."""
     text = model.config.get_text_config(decoder=True)
     context = getattr(text, "max_position_embeddings", None)
@@ -62,8 +62,6 @@ def static_refusal(model, input_ids: torch.Tensor, attention_mask, generation_co
         return f"max_length {generation_config.max_length} is past the target's context ({context})"
     if (model.config._attn_implementation or "eager") not in ("sdpa", "eager"):
         return f"attn_implementation={model.config._attn_implementation!r} (the static step builds sdpa / eager masks)"
-    if node_budget < 1:
-        return "node budget 0 is plain decoding"
     if tensor_parallel:
         return "a tensor-parallel target"
     if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
@@ -77,8 +75,8 @@ def static_step(model, head: DartHead, input_ids: torch.Tensor, attention_mask, 
     """(the call's `StaticStep`, None), or (None, why the static step was refused: the call runs the eager step). The
     budget is fixed for the call; the step is compiled under transformers' own decision
     (`_valid_auto_compile_criteria`) with the call's `compile_config`."""
-    reason = static_refusal(model, input_ids, attention_mask, generation_config, node_budget,
-                            tensor_parallel_group(model) is not None, vectorised)
+    tensor_parallel = tensor_parallel_group(model) is not None
+    reason = static_refusal(model, input_ids, attention_mask, generation_config, tensor_parallel, vectorised)
     if reason is not None:
         return None, reason
     max_length = generation_config.max_length
