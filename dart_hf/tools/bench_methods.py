@@ -21,7 +21,9 @@ class Method:
     `tree`: a DART tree method, whose `head.stats` carry per-phase times; `compiled`: it decodes on a static cache
     with `torch.compile` (its first calls compile: warmed up on every prompt, `bench_timing._compile_warmup`, and
     never run with a forward hook, which dynamo would trace); `baseline`: another method whose tokens/s this one is
-    also compared with (the compiled DART rows: compiled plain `generate`, what a GPU user would otherwise run)."""
+    also compared with (the compiled DART rows: compiled plain `generate`, what a GPU user would otherwise run);
+    `at_budget(b)`: the cost-aware compiled method's call at a fixed budget b (each of its calls runs the held tree or
+    plain decoding, so its warm-up compiles both)."""
 
     name: str
     label: str
@@ -30,6 +32,7 @@ class Method:
     one_row_only: str | None = None  # why the method cannot decode a batch (None: it can); skipped at batch size > 1
     compiled: bool = False
     baseline: str | None = None
+    at_budget: Callable[[int], Callable] | None = None  # a cost-aware compiled method's call at a fixed budget
 
 
 DEFAULT_BUDGET = 60
@@ -89,7 +92,8 @@ def compiled_methods(budgets: list[int], backend: str = "inductor") -> list[Meth
         label = "cost-aware" if budget == "auto" else f"budget {budget}"
         return Method(f"dart_compiled_{budget}", f"DART, static cache + compile, {label}",
                       lambda t, h, ids, **kw: plain(t, h, ids, assistant_model=h, dart_node_budget=budget, **kw),
-                      tree=True, compiled=True, baseline="plain_compiled")
+                      tree=True, compiled=True, baseline="plain_compiled",
+                      at_budget=(lambda b: dart(b).run) if budget == "auto" else None)
 
     return [Method("plain_compiled", "generate, static cache + compile", plain, compiled=True),
             *(dart(b) for b in [*budgets, "auto"])]

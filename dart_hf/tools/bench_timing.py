@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..core.budget import budget_policy
 from .bench_methods import Method, call_seed, seed_call
 
 PHASES = ("draft", "tree", "verify", "accept")
@@ -148,7 +149,9 @@ def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]]
     """Each compiled method once on every call the timed passes make (`calls`: (ids, attention mask), a prompt or a
     left-padded batch), untimed, at the bench's full length, longest first (transformers sizes a static cache for the
     longest call so far, so the shorter ones then reuse its graph; DART's buffers are sized by a bucket of 256
-    slots): every graph the timed calls run is compiled here. Returns {method: {"seconds": all its warm-up calls,
+    slots): every graph the timed calls run is compiled here. A cost-aware compiled method's call that ran plain
+    decoding (`Method.at_budget`) runs again at the tree its policy holds for as many rows, which a timed call of it
+    may run instead. Returns {method: {"seconds": all its warm-up calls,
     "first_call_seconds", "calls"}} (these seconds are not in the timed tokens/s)."""
     order = sorted(calls, key=lambda call: -call[0].shape[-1])
     out = {}
@@ -160,6 +163,10 @@ def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]]
             sync_device(ids.device)
             start = time.perf_counter()
             m.run(target, head, ids, attention_mask=mask, **gen)
+            if m.at_budget is not None and head.stats.node_budget == 0:
+                policy = budget_policy(head, target, sampled=bool(gen.get("do_sample")))
+                seed_call(gen, "warm-up")
+                m.at_budget(policy.held_sizes[ids.shape[0]])(target, head, ids, attention_mask=mask, **gen)
             sync_device(ids.device)
             times.append(time.perf_counter() - start)
         out[m.name] = {"seconds": sum(times), "first_call_seconds": times[0], "calls": len(times)}
