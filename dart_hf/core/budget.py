@@ -255,9 +255,9 @@ class CallBudget:
     (`BudgetPolicy.start` / `observe`); a batch feeds the batch rule its verify time and per-row drafting (CPU phase
     times are exact; where they are launch times, CUDA without `dart_timing`, the whole step up to its host read is
     the verify time and drafting 0, so the rule learns on every device). A call held at one tree size (`hold`: the
-    static step) feeds the policy its acceptance only: its compiled steps' times are not the eager steps' the rule
-    prices, but its own rule's: each step after the call's first (which may compile) is timed whole (it ends in the
-    static step's one host read), and a call handed to plain decoding reports its mean step (`observe_plain`). A
+    static step) feeds the rules its acceptance, and its step times to the held-size rule only (compiled steps are not
+    the eager steps the other rules price): each step after the call's first, which may compile, timed whole (it ends
+    in the static step's one host read); a call handed to plain decoding reports its mean step (`observe_plain`). A
     tensor-parallel target takes the first rank's choice on every rank."""
 
     def __init__(self, policy: BudgetPolicy | None, fixed: int, target, timer: PhaseTimer):
@@ -342,9 +342,9 @@ class CallBudget:
 class PlainStepClock(LogitsProcessor):
     """Times plain decoding's steps inside transformers' own loop, for the held-size rule (a call handed to plain
     decoding: `loop._plain_call`): a logits processor that returns the scores unchanged and notes each call, one per
-    step after its forward. The clock starts at the second call (the first is the prefill's, the next follows the
-    first decoding step, which may compile); on an accelerator that call and the end synchronise, once each, so the
-    steps between are timed whole."""
+    step after its forward. The clock starts at the second call, after the first decoding step (which may compile;
+    the first call is the prefill's); on an accelerator that call and the end synchronise, once each, so the steps
+    between are timed whole."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock, self.calls, self.started, self.device = clock, 0, 0.0, None
