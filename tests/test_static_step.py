@@ -228,7 +228,7 @@ def test_dart_timing_captures_the_parts_and_times_them(qwen3):
 @pytest.mark.slow
 def test_batched_compiled_step_on_smollm2_equals_plain_batched_generate():
     """SmolLM2-135M with the shipped head, a left-padded batch of 4 chat prompts (code and chat), inductor: every row
-    equals plain batched `generate`, eager and static-cache compiled."""
+    equals plain batched `generate`, eager and static-cache compiled, drafting and at budget 0 (plain decoding)."""
     from dart_hf.tools.assets import load_target, shipped_head
     from dart_hf.tools.datasets import eval_prompts
     from dart_hf.tools.bench_timing import left_pad
@@ -245,6 +245,10 @@ def test_batched_compiled_step_on_smollm2_equals_plain_batched_generate():
                           compile_config=config, dart_stats=stats, **kw)
     assert stats.compiled and stats.static and torch.equal(out, ref)
     assert stats.steps < 0.8 * (out.shape[1] - ids.shape[1])  # fewer steps than plain batched decoding: drafts accepted
+    plain = dart_hf.DartStats()  # budget 0 on a static cache: the whole call is plain decoding (transformers' loop)
+    out = target.generate(ids, assistant_model=head, dart_node_budget=0, cache_implementation="static",
+                          compile_config=config, dart_stats=plain, **kw)
+    assert plain.node_budget == 0 and plain.compiled and torch.equal(out, ref)
 
 
 @pytest.mark.slow

@@ -178,8 +178,9 @@ def _plain_or_tree(policy, rows: int, tree: int, expected: np.ndarray) -> int:
     choice, other = (tree, 0) if gain >= 1.0 + knobs.batch_margin else (0, tree)
     loss = max((gain if choice else 1.0 / gain) - 1.0, knobs.batch_margin)
     calls = times.since_probe.get(rows, 0) + 1
-    times.since_probe[rows] = 0 if calls * knobs.probe_share >= loss else calls
-    return other if times.since_probe[rows] == 0 else choice
+    probe = calls * knobs.probe_share >= loss
+    times.since_probe[rows] = 0 if probe else calls
+    return other if probe else choice
 
 
 def _best(policy, tps: np.ndarray, drafting_only: bool = False) -> int:

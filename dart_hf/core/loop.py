@@ -222,9 +222,9 @@ def _plain_call(model, input_ids, logits_processor: LogitsProcessorList, stoppin
                         streamer=streamer, **model_kwargs)
     budgets.observe_plain(clock)
     stats.budget_mode, stats.node_budget = budgets.mode, 0
-    for _ in range(clock.calls - 1):
+    for _ in range(clock.calls - 1):  # the decoding steps, one token each
         stats.record_step(1, 0)
-    stats.new_tokens = clock.calls
+    stats.new_tokens += 1  # the prefill's token
     stats.static, stats.compiled = True, bool(model._valid_auto_compile_criteria(model_kwargs, config))
     stats.static_reason = ("plain decoding for the call (transformers' own loop): " + (
         "node budget 0" if budgets.policy is None else "drafting did not pay at this batch size, or a probe of it"))
