@@ -240,19 +240,24 @@ def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(be
     assert "step" not in rows["dart_tree_3"]["phase_ms"]
     warm = results["compile_warmup"]
     assert list(warm) == ["plain_compiled", "dart_compiled_3", "dart_compiled_auto"]
-    auto = rows["dart_compiled_auto"]  # per call, the held tree or plain decoding (on this tiny target: plain)
-    assert auto["baseline"] == "plain_compiled" and set(auto["node_budget_counts"]) <= {0, 3}, auto
-    assert all(w["calls"] == 2 and w["seconds"] >= w["first_call_seconds"] > 0 for w in warm.values())
+    auto = rows["dart_compiled_auto"]  # per call, a tree its policy timed in the warm-up, or plain decoding
+    held = {int(k.split("x")[1]) for k in warm["dart_compiled_auto"]["held_step_ms"]}
+    assert auto["baseline"] == "plain_compiled" and set(auto["node_budget_counts"]) <= held and 0 in held, auto
+    assert all(w["seconds"] >= w["first_call_seconds"] > 0 for w in warm.values())
+    assert warm["plain_compiled"]["calls"] == warm["dart_compiled_3"]["calls"] == 2  # the cost-aware one: more
     md = (tmp_path / "results.md").read_text()
     assert "| vs generate, static cache + compile |" in md and "| DART, static cache + compile, budget 3 |" in md
     assert "| captured step |" in md and "Those warm-up seconds are not in any tokens/s" in md
+    assert "step ms per held size (rows x nodes; 0: plain decoding) after the warm-up, which its calls choose by: 1x0 " in md
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["datasets"]["x"]["dart_compiled_3"]["speedup_vs_baseline_runs"] == dart["speedup_vs_baseline_runs"]
 
 
-def test_the_compile_warm_up_of_the_cost_aware_method_compiles_the_held_tree_where_a_call_ran_plain(bench_tiny):
-    """A cost-aware compiled call runs the held tree or plain decoding, so a timed call may run the tree where its
-    warm-up call ran plain: the warm-up then also runs the call at the tree the policy holds for its rows."""
+def test_the_compile_warm_up_of_the_cost_aware_method_runs_every_call_at_every_size_its_policy_may_hold(bench_tiny):
+    """A cost-aware compiled call runs the size its policy holds (after trying its neighbours) or plain decoding, so
+    a timed call may run a size its own warm-up call did not: the warm-up repeats the calls until the policy has
+    tried every size it will try, then runs every call at every tree size the policy timed."""
+    from dart_hf.core.batch_budget import held_settled
     from dart_hf.core.budget import budget_policy
     from dart_hf.tools.bench_timing import _compile_warmup
 
@@ -261,12 +266,14 @@ def test_the_compile_warm_up_of_the_cost_aware_method_compiles_the_held_tree_whe
     fixed = []
     spy = dataclasses.replace(auto, at_budget=lambda b: fixed.append(b) or auto.at_budget(b))
     calls = [(ids, torch.ones_like(ids)) for ids in prompts(3, seed=4)]
-    gen = dict(do_sample=False, max_new_tokens=8, eos_token_id=None)  # every plain call long enough to be timed
+    gen = dict(do_sample=False, max_new_tokens=8, eos_token_id=None)  # every call long enough to be timed
     head.budget_state = None
-    _compile_warmup(target, head, calls, [spy], gen, progress=False)
+    warm = _compile_warmup(target, head, calls, [spy], gen, progress=False)["dart_compiled_auto"]
     policy = budget_policy(head, target)
-    ran_plain = len(policy.held_times.seconds.get((1, 0), ()))
-    assert ran_plain >= 1 and fixed == [policy.held_sizes[1]] * ran_plain and fixed[0] > 0, (fixed, ran_plain)
+    sizes = policy.held_times.trees(1)
+    assert held_settled(policy, 1) and len(sizes) >= 3 and policy.held_times.median(1, 0) is not None, sizes
+    assert fixed == sizes * len(calls), (fixed, sizes)  # every call (3) at every timed size
+    assert warm["calls"] > len(calls) + len(fixed)  # the auto calls passed more than once before settling
 
 
 def test_compiled_flags_and_method_selection():

@@ -11,7 +11,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from conftest import informed_policy, left_padded, make_head, make_target
-from dart_hf.core.batch_budget import batch_budget, first_tree
+from dart_hf.core.batch_budget import batch_budget, first_tree, held_neighbours, held_settled
 from dart_hf.core.budget import BudgetPolicy, BudgetState
 from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf import DartStats
@@ -97,10 +97,39 @@ def test_the_static_step_feeds_the_policy_the_acceptance_the_eager_step_would(le
 
 
 # ------------------------------------------------------------------------------------------------ plain decoding
+def held_calls(policy, step_seconds: dict[int, float], calls: int, rows: int = 1) -> list[int]:
+    """`calls` held calls of `rows` rows, each reporting the step seconds `step_seconds` gives its size."""
+    sizes = []
+    for _ in range(calls):
+        sizes.append(policy.call_budget(rows))
+        policy.observe_held(rows, sizes[-1], step_seconds[sizes[-1]])
+    return sizes
+
+
+def test_a_held_call_moves_to_the_neighbouring_size_its_device_runs_faster_and_stops_where_both_are_slower():
+    """After the first tree and plain decoding are timed, one call at each untimed neighbour (on `HELD_LADDER`) of
+    the best timed tree: the size follows the measured times (here a 4-node step cheaper than a 3-node one, as on a
+    2-core CPU), never beyond a neighbour that measured slower, and then stays."""
+    policy = informed_policy(None)  # no curve: the first tree 3; E[accepted | 3] = 2.0 (and at least that above)
+    times = {0: 0.020, 2: 0.040, 3: 0.040, 4: 0.030, 6: 0.045, 8: 0.030}  # 8 is fast, but past a slower 6
+    sizes = held_calls(policy, times, 40)
+    assert sizes[:4] == [3, 0, 4, 6], sizes  # above first; 4 is faster, so its neighbours: 6 (slower) and 3 (timed)
+    assert policy.held_sizes[1] == 4 and set(sizes) == {0, 3, 4, 6}  # 2 (below a slower 3) and 8 never tried
+    assert sizes[4:].count(4) > 30, sizes  # 3 tokens per 30 ms against 1 per 20 ms: the tree
+    settling = informed_policy(None)
+    assert [held_calls(settling, times, 1) and held_settled(settling, 1) for _ in range(5)] == [False] * 3 + [True] * 2
+    assert held_settled(policy, 1) and not held_settled(policy, 2)  # the bench's warm-up repeats calls until settled
+    slower = informed_policy(None)
+    assert held_calls(slower, {0: 0.020, 2: 0.040, 3: 0.030, 4: 0.045}, 6) == [3, 0, 4, 2, 3, 3]  # both slower
+    assert slower.held_sizes[1] == 3
+    for size, neighbours in {3: [4, 2], 4: [6, 3], 31: [48, 24], 48: [64, 32], 64: [48], 1: [2]}.items():
+        assert held_neighbours(size, 95) == neighbours, size
+
+
 def test_a_held_call_goes_to_plain_decoding_where_its_measured_tree_does_not_pay_and_probes_the_other_side():
-    """The held tree until its steps are timed, plain decoding once, then the side with more tokens per second per
-    row by the held calls' own step times (a tree needs `batch_margin` more), the other side probed once every
-    loss / probe_share calls."""
+    """The held tree until its steps are timed, plain decoding once, its neighbours once, then the side with more
+    tokens per second per row by the held calls' own step times (a tree needs `batch_margin` more), the other side
+    probed once every loss / probe_share calls."""
     policy = informed_policy(None)  # no curve: candidates 0 and 3; E[accepted | 3] = 2.0, 3 tokens per tree step
     assert policy.candidates == [0, 3] and policy.call_budget(1) == 3  # the tree's steps are not timed yet
     policy.observe_held(1, 3, 0.030)  # 100 tokens/s
@@ -108,11 +137,9 @@ def test_a_held_call_goes_to_plain_decoding_where_its_measured_tree_does_not_pay
     cases = {0.012: (3, 0.2), 0.0105: (0, 0.1), 0.010: (0, 0.1), 0.060: (3, 5.0), 0.005: (0, 1.0)}
     for plain_step, (choice, loss) in cases.items():
         measured = informed_policy(None)
-        measured.observe_held(1, 3, 0.030)
-        measured.observe_held(1, 0, plain_step)
-        calls = [measured.call_budget(1) for _ in range(400)]
+        calls = held_calls(measured, {0: plain_step, 2: 0.040, 3: 0.030, 4: 0.060}, 404)[4:]
         probes = sum(b != choice for b in calls)
-        assert calls.count(choice) > 300, (plain_step, calls[:20])
+        assert calls.count(choice) > 300 and set(calls) <= {0, 3}, (plain_step, calls[:20])
         assert abs(probes - 400 * measured.knobs.probe_share / loss) <= 1, (plain_step, probes)  # one in loss / share
     assert policy.call_budget(2) == 3  # each row count is measured apart
 
@@ -145,7 +172,8 @@ class Collect(BaseStreamer):
 def test_a_static_auto_call_handed_to_plain_decoding_is_plain_generate(lengths, do_sample):
     """The held rule's flow through `generate`: the first static call drafts (its steps after the first are timed),
     the second runs plain decoding (transformers' own loop: plain `generate`'s tokens, stream and, sampled, its text
-    for the seed and the RNG after it), which the scripted clock makes the cheaper side, so the third runs it too."""
+    for the seed and the RNG after it), the next two the best tree's untried neighbours (4 nodes, then 6 or 2 as 4 or 3
+    accepted more per equal step), then plain decoding, which the scripted clock makes the cheaper side."""
     target = make_target("llama")
     head = make_head(target, node_budget=None)
     ids, mask = left_padded(lengths, seed=5)
@@ -154,7 +182,7 @@ def test_a_static_auto_call_handed_to_plain_decoding_is_plain_generate(lengths, 
     policy = state.policy(target, head.config.prompt_lookup, do_sample)
     rows = len(lengths)
     budgets = []
-    for call in range(3):
+    for call in range(6):
         stats, stream, plain_stream = DartStats(), Collect(), Collect()
         torch.manual_seed(call)
         out = target.generate(ids, assistant_model=head, cache_implementation="static", dart_budget_state=state,
@@ -172,8 +200,8 @@ def test_a_static_auto_call_handed_to_plain_decoding_is_plain_generate(lengths, 
         timed = {size: len(policy.held_times.seconds.get((rows, size), ())) for size in (budgets[0], 0)}
         if call == 0:
             assert timed == {budgets[0]: min(stats.steps - 1, policy.knobs.window), 0: 0}, timed  # not the first
-    assert budgets[0] > 0 and budgets[1:] == [0, 0], budgets
-    assert timed[0] == 2 and policy.held_times.median(rows, 0) == pytest.approx(1.0 / 14)
+    assert budgets[:3] == [3, 0, 4] and budgets[3] in (2, 6) and budgets[4:] == [0, 0], budgets
+    assert policy.held_times.trees(rows) == sorted(budgets[:4])[1:] and timed[0] == 3 and policy.held_times.median(rows, 0) == pytest.approx(1.0 / 14)
 
 
 def test_a_static_call_at_budget_zero_is_plain_generate():

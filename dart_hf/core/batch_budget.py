@@ -17,6 +17,9 @@ batched time since the last probe exceeds the probe's expected loss (at E alone:
 row's acceptance, so E firms up R times as fast as for one row); a drafting probe follows plain steps, so its
 head catches up on every position since, and it is priced with that catch-up cost (so a large batch where drafting
 does not pay probes rarely).
+
+A call held at one tree size for all its steps (the static step, one compiled graph per size) is decided per call by
+what such calls measured, not by this model (`held_budget`).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def next_batch_budget(policy, rows: int) -> int:
 
 
 class HeldTimes:
-    """What calls held at one size measured, per row count (guarded by `policy.lock`): the step seconds of the held
+    """What calls held at one size measured, per row count (guarded by `policy.lock`): the step seconds of each held
     tree (each call's steps after its first, which may compile) and of plain decoding (transformers' own loop on the
     static cache, its steps after the first, one mean per call), and the held calls since the last probe."""
 
@@ -139,13 +142,66 @@ class HeldTimes:
         measured = self.seconds.get((rows, size))
         return statistics.median(measured) if measured else None
 
+    def trees(self, rows: int) -> list[int]:
+        """The tree sizes timed at `rows` rows."""
+        return sorted(size for r, size in self.seconds if r == rows and size > 0)
+
+
+# the tree sizes a held call tries besides its first: each is a compiled graph, so a few, about 1.5x apart
+HELD_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
 
 def held_budget(policy, rows: int) -> int:
     """The one tree size of a call of `rows` rows held at one size (the static step: each size is a compiled graph of
-    its own), or 0: plain decoding for the whole call (`_plain_or_tree`). The tree is the one with the most expected
-    tokens per second by the batch rule's model (one row is a batch of one), kept from the policy's previous held call
-    of as many rows unless the new one promises `batch_margin` more (a new size costs a compile). Before any
-    acceptance is known: `first_tree`. Call under `policy.lock`."""
+    its own), or 0: plain decoding for the whole call. Step times of compiled graphs are not the eager steps' the
+    other rules model, so this rule goes by what held calls of as many rows measured (`HeldTimes`):
+    1. the first tree (`_first_held`) until its steps are timed, then plain decoding once;
+    2. the best timed tree, by tokens per second per row, (1 + E[accepted | n]) / step seconds;
+    3. a call at each of its neighbours on `HELD_LADDER` (above first: a larger tree's acceptance informs the smaller
+       ones), once each (a compile each), so the held size moves to a faster one wherever a neighbour measured
+       faster, and stops where both neighbours measured slower: a device's own kernels, not a model of them, pick
+       the size (on one 2-core CPU a 4-node step took 93 ms where a 3-node one took 107);
+    4. then that tree or plain decoding, whichever is faster (`_plain_or_tree`). Call under `policy.lock`."""
+    times = policy.held_times
+    if not times.trees(rows):
+        return _first_held(policy, rows)
+    if times.median(rows, 0) is None:
+        return 0
+    best, gain = _best_held(policy, rows)
+    policy.held_sizes[rows] = best
+    untried = _untried(policy, rows, best)
+    return untried[0] if untried else _plain_or_tree(policy, rows, best, gain)
+
+
+def held_settled(policy, rows: int) -> bool:
+    """Whether held calls of `rows` rows have timed every size `held_budget` tries before it settles: its first tree,
+    plain decoding and the best tree's neighbours. Call under `policy.lock` (or with no call running)."""
+    times = policy.held_times
+    if not times.trees(rows) or times.median(rows, 0) is None:
+        return False
+    return not _untried(policy, rows, _best_held(policy, rows)[0])
+
+
+def _best_held(policy, rows: int) -> tuple[int, float]:
+    """The timed tree of held calls of `rows` rows with the most tokens per second per row, (1 + E[accepted | n]) /
+    step seconds, and its gain over plain decoding's 1 / step seconds."""
+    times = policy.held_times
+    trees, plain = times.trees(rows), times.median(rows, 0)
+    gains = {n: (1.0 + e) * plain / times.median(rows, n) for n, e in zip(trees, _expected_at(policy, trees))}
+    best = max(gains, key=gains.get)
+    return best, gains[best]
+
+
+def _untried(policy, rows: int, tree: int) -> list[int]:
+    """The neighbours of `tree` (`held_neighbours`) no held call of `rows` rows has timed."""
+    timed = policy.held_times.trees(rows)
+    return [n for n in held_neighbours(tree, policy.knobs.max_budget) if n not in timed]
+
+
+def _first_held(policy, rows: int) -> int:
+    """The first tree of held calls of `rows` rows: the one with the most expected tokens per second by the batch
+    rule's model (one row is a batch of one), kept from the policy's previous held call of as many rows unless the
+    new one promises `batch_margin` more. Before any acceptance is known: `first_tree`."""
     expected, previous = _expected(policy), policy.held_sizes.get(rows)
     if expected is None:
         choice = first_tree(policy, rows) if previous is None else previous
@@ -157,24 +213,24 @@ def held_budget(policy, rows: int) -> int:
                 cands.index(previous)]:
             choice = previous
     policy.held_sizes[rows] = choice
-    return choice if expected is None else _plain_or_tree(policy, rows, choice, expected)
+    return choice
 
 
-def _plain_or_tree(policy, rows: int, tree: int, expected: np.ndarray) -> int:
-    """Plain decoding (0) or the held `tree` for a call of `rows` rows, by what held calls of as many rows measured
-    (`HeldTimes`): the tree until its steps are timed, then plain decoding once, then the side with more tokens per
-    second per row, (1 + E[accepted]) / step seconds against 1 / plain step seconds (a tree must promise
-    `batch_margin` more, as for a batch). The other side is probed now and then, as the one-row rule's probes are
-    paced: a probe that loses a share L of a call runs once every L / `probe_share` calls (L at least
-    `batch_margin`), so probes cost about `probe_share` of the time and acceptance keeps being observed while plain
-    decoding is chosen."""
+def held_neighbours(size: int, largest: int) -> list[int]:
+    """The sizes of `HELD_LADDER` next to `size`, above first, each at least 1.25x apart from it (a 32-node tree
+    is not worth a compile next to a 31-node one)."""
+    above = [n for n in HELD_LADDER if 1.25 * size <= n <= largest][:1]
+    below = [n for n in HELD_LADDER if 1.25 * n <= size][-1:]
+    return above + below
+
+
+def _plain_or_tree(policy, rows: int, tree: int, gain: float) -> int:
+    """Plain decoding (0) or the held `tree`, whose measured tokens per second are `gain` times plain decoding's: the
+    tree where it promises `batch_margin` more, as for a batch. The other side is probed now and then, as the one-row
+    rule's probes are paced: a probe that loses a share L of a call runs once every L / `probe_share` calls (L at
+    least `batch_margin`), so probes cost about `probe_share` of the time and acceptance keeps being observed while
+    plain decoding is chosen."""
     times, knobs = policy.held_times, policy.knobs
-    tree_step, plain_step = times.median(rows, tree), times.median(rows, 0)
-    if tree_step is None:
-        return tree
-    if plain_step is None:
-        return 0
-    gain = (1.0 + expected[policy.candidates.index(tree)]) * plain_step / tree_step  # tree over plain, tokens / s
     choice, other = (tree, 0) if gain >= 1.0 + knobs.batch_margin else (0, tree)
     loss = max((gain if choice else 1.0 / gain) - 1.0, knobs.batch_margin)
     calls = times.since_probe.get(rows, 0) + 1
@@ -204,14 +260,20 @@ def first_tree(policy, rows: int) -> int:
 
 
 def _expected(policy) -> np.ndarray | None:
-    """E[accepted | n] per candidate, a tree larger than any observed taking the largest observed one's (a lower
-    bound: a larger tree holds the smaller one); None before any tree was observed."""
-    expected = policy.expected_accepted()
-    known = ~np.isnan(expected)
-    if not known[1:].any():
+    """E[accepted | n] per candidate (`_expected_at`); None before any tree was observed."""
+    if np.isnan(policy.expected_at(policy.candidates[1:])).all():
         return None
-    last = np.maximum.accumulate(np.where(known, np.arange(len(expected)), 0))
-    return expected[last]
+    return _expected_at(policy, policy.candidates)
 
 
-__all__ = ["BatchTimes", "HeldTimes", "batch_budget", "first_tree", "held_budget", "next_batch_budget"]
+def _expected_at(policy, sizes) -> np.ndarray:
+    """E[accepted | n] at ascending `sizes`, a tree larger than any observed taking the largest observed one's (a
+    lower bound: a larger tree holds the smaller one); nan below every observed size."""
+    expected = policy.expected_at(sizes)
+    known = ~np.isnan(expected)
+    last = np.maximum.accumulate(np.where(known, np.arange(len(expected)), -1))
+    return np.where(last >= 0, expected[np.maximum(last, 0)], np.nan)
+
+
+__all__ = ["BatchTimes", "HELD_LADDER", "HeldTimes", "batch_budget", "first_tree", "held_budget", "held_neighbours",
+           "held_settled", "next_batch_budget"]

@@ -31,6 +31,7 @@ thread times its own step.
 
 Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
 decoding and one tree, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint (once per process).
+A call held at one size (the static step) goes by its own measured times instead (`batch_budget.held_budget`).
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ class BudgetPolicy:
         self.largest = self.candidates[-1]
         self.decay = 0.5 ** (1.0 / k.half_life)
         self._verify = {} if curve is None else dict(zip(self.candidates, curve(np.add(self.candidates, 1.0))))
-        self.inc = np.zeros(self.largest + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
-        self.obs = np.zeros(self.largest + 1)  # obs[b]: (discounted) steps whose budget was >= b
+        # every size up to max_budget: a held call may try sizes besides the candidates (`batch_budget.held_budget`)
+        self.inc = np.zeros(k.max_budget + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
+        self.obs = np.zeros(k.max_budget + 1)  # obs[b]: (discounted) steps whose budget was >= b
         self.times = {b: deque(maxlen=k.window) for b in self.candidates}
         self.batch_times = BatchTimes(self)  # what batched steps measured (`batch_budget`)
         self.steps = 0
@@ -141,7 +143,7 @@ class BudgetPolicy:
     def _record(self, budget: int, rows_ranks: Sequence[Sequence[int]], seconds: float | None) -> None:
         self.steps += 1
         if budget > 0:
-            b = min(int(budget), self.largest)
+            b = min(int(budget), len(self.obs) - 1)
             for ranks in rows_ranks:
                 ranks = np.asarray(ranks, dtype=np.int64).reshape(-1)
                 self.inc *= self.decay
@@ -160,9 +162,13 @@ class BudgetPolicy:
     # -- estimates
     def expected_accepted(self) -> np.ndarray:
         """E[accepted draft tokens | B] per candidate (0 for plain decoding; nan where never observed)."""
+        return self.expected_at(self.candidates)
+
+    def expected_at(self, sizes: Sequence[int]) -> np.ndarray:
+        """E[accepted draft tokens | B] at each of `sizes` (0 for plain decoding; nan where never observed)."""
         rate = np.divide(self.inc, self.obs, out=np.zeros_like(self.inc), where=self.obs > 0)
-        out = np.cumsum(rate)[self.candidates]
-        return np.where((self.obs[self.candidates] > 0) | (np.array(self.candidates) == 0), out, np.nan)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        return np.where((self.obs[sizes] > 0) | (sizes == 0), np.cumsum(rate)[sizes], np.nan)
 
     def step_seconds(self) -> np.ndarray:
         """T(B) per candidate, as the module docstring says (nan: nothing to go by)."""
@@ -278,9 +284,10 @@ class CallBudget:
 
     def call_budget(self, rows: int) -> int:
         """The one tree size of a call of `rows` rows that cannot change it per step: the fixed one, or the policy's
-        (`BudgetPolicy.call_budget`)."""
+        (`BudgetPolicy.call_budget`; a tensor-parallel target's every rank takes the first rank's)."""
         self.call_rows = rows
-        return self.fixed if self.policy is None else self.policy.call_budget(rows)
+        return self.fixed if self.policy is None else shared_budget(self.group, self.policy.call_budget(rows),
+                                                                    self.target)
 
     def hold(self, budget: int) -> None:
         """Every step of the call runs `budget` (the static step's one tree size)."""
@@ -419,7 +426,7 @@ def _warn_no_curve(key: dict, device_type: str) -> None:
     action = (f"run `{command}` once {fit}" if (__package__ or "").startswith("dart_hf") else
               f"with dart_hf installed, `{command}` fits the tree size to this device")
     warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {where}, so the node budget chooses between "
-                  f"plain decoding and a fixed tree of {fixed} nodes; {action}, or pass dart_node_budget=<n> for a "
+                  f"plain decoding and a tree of {fixed} nodes (a static-cache call also times its neighbouring sizes); {action}, or pass dart_node_budget=<n> for a "
                   f"fixed tree", stacklevel=_caller_stacklevel())
 
 

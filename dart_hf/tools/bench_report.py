@@ -113,7 +113,10 @@ def _compile_lines(results: dict) -> list[str]:
              "tokens/s:", "", "| method | warm-up s (all calls) | first call s | calls |", "|---|---:|---:|---:|"]
     lines += [f"| {results['methods'][n]} | {w['seconds']:.1f} | {w['first_call_seconds']:.1f} | {w['calls']} |"
               for n, w in warm.items()]
-    return lines + [""]
+    held = [f"- {results['methods'][n]}: step ms per held size (rows x nodes; 0: plain decoding) after the warm-up, "
+            "which its calls choose by: " + ", ".join(f"{k} {v:.1f}" for k, v in w["held_step_ms"].items())
+            for n, w in warm.items() if w.get("held_step_ms")]
+    return lines + ([""] + held if held else []) + [""]
 
 
 def batch_markdown_report(results: dict) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from ..core.batch_budget import held_settled
 from ..core.budget import budget_policy
 from .bench_methods import Method, call_seed, seed_call
 
@@ -149,28 +150,45 @@ def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]]
     """Each compiled method once on every call the timed passes make (`calls`: (ids, attention mask), a prompt or a
     left-padded batch), untimed, at the bench's full length, longest first (transformers sizes a static cache for the
     longest call so far, so the shorter ones then reuse its graph; DART's buffers are sized by a bucket of 256
-    slots): every graph the timed calls run is compiled here. A cost-aware compiled method's call that ran plain
-    decoding (`Method.at_budget`) runs again at the tree its policy holds for as many rows, which a timed call of it
-    may run instead. Returns {method: {"seconds": all its warm-up calls,
-    "first_call_seconds", "calls"}} (these seconds are not in the timed tokens/s)."""
+    slots): every graph the timed calls run is compiled here. A cost-aware compiled method (`Method.at_budget`) runs
+    each call at a size its policy chose: its calls first pass again until the policy has tried every size it will
+    try (`held_settled`, at most `EXPLORE_PASSES` passes), then every call runs at every tree size the policy timed,
+    which a timed call of it may hold. Returns {method: {"seconds": all its warm-up calls, "first_call_seconds",
+    "calls"}} (these seconds are not in the timed tokens/s), and for the cost-aware method "held_step_ms": its
+    policy's measured step time per "rows x size" after the warm-up (size 0: plain decoding), which its calls choose
+    by."""
     order = sorted(calls, key=lambda call: -call[0].shape[-1])
+
+    def warm(run, ids, mask) -> float:
+        ids, mask = ids.to(target.device), mask.to(target.device)
+        seed_call(gen, "warm-up")
+        sync_device(ids.device)
+        start = time.perf_counter()
+        run(target, head, ids, attention_mask=mask, **gen)
+        sync_device(ids.device)
+        return time.perf_counter() - start
+
     out = {}
     for m in methods:
-        times = []
-        for ids, mask in tqdm(order, desc=f"compile {m.name}", unit="call", disable=not progress):
-            ids, mask = ids.to(target.device), mask.to(target.device)
-            seed_call(gen, "warm-up")
-            sync_device(ids.device)
-            start = time.perf_counter()
-            m.run(target, head, ids, attention_mask=mask, **gen)
-            if m.at_budget is not None and head.stats.node_budget == 0:
-                policy = budget_policy(head, target, sampled=bool(gen.get("do_sample")))
-                seed_call(gen, "warm-up")
-                m.at_budget(policy.held_sizes[ids.shape[0]])(target, head, ids, attention_mask=mask, **gen)
-            sync_device(ids.device)
-            times.append(time.perf_counter() - start)
-        out[m.name] = {"seconds": sum(times), "first_call_seconds": times[0], "calls": len(times)}
+        times = [warm(m.run, ids, mask) for ids, mask in tqdm(order, desc=f"compile {m.name}", unit="call",
+                                                              disable=not progress)]
+        if m.at_budget is not None:
+            policy = budget_policy(head, target, sampled=bool(gen.get("do_sample")))
+            for _ in range(EXPLORE_PASSES):
+                if all(held_settled(policy, ids.shape[0]) for ids, _ in order):
+                    break
+                times += [warm(m.run, ids, mask) for ids, mask in order]
+            held = [(ids, mask, size) for ids, mask in order for size in policy.held_times.trees(ids.shape[0])]
+            times += [warm(m.at_budget(size), ids, mask) for ids, mask, size in tqdm(
+                held, desc=f"compile {m.name} sizes", unit="call", disable=not progress)]
+            held_ms = {f"{rows}x{size}": 1000 * policy.held_times.median(rows, size)
+                       for rows, size in sorted(policy.held_times.seconds)}
+        out[m.name] = {"seconds": sum(times), "first_call_seconds": times[0], "calls": len(times),
+                       **({"held_step_ms": held_ms} if m.at_budget is not None else {})}
     return out
+
+
+EXPLORE_PASSES = 4  # warm-up passes of a cost-aware compiled method while its policy still tries sizes
 
 
 class _no_load:
