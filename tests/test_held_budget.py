@@ -109,7 +109,8 @@ def held_calls(policy, step_seconds: dict[int, float], calls: int, rows: int = 1
 def test_a_held_call_moves_to_the_neighbouring_size_its_device_runs_faster_and_stops_where_both_are_slower():
     """After the first tree and plain decoding are timed, one call at each untimed neighbour (on `HELD_LADDER`) of
     the best timed tree: the size follows the measured times (here a 4-node step cheaper than a 3-node one, as on a
-    2-core CPU), never beyond a neighbour that measured slower, and then stays."""
+    2-core CPU), never beyond a neighbour that measured slower, nor to one less than `batch_margin` better, and then
+    stays."""
     policy = informed_policy(None)  # no curve: the first tree 3; E[accepted | 3] = 2.0 (and at least that above)
     times = {0: 0.020, 2: 0.040, 3: 0.040, 4: 0.030, 6: 0.045, 8: 0.030}  # 8 is fast, but past a slower 6
     sizes = held_calls(policy, times, 40)
@@ -122,6 +123,8 @@ def test_a_held_call_moves_to_the_neighbouring_size_its_device_runs_faster_and_s
     slower = informed_policy(None)
     assert held_calls(slower, {0: 0.020, 2: 0.040, 3: 0.030, 4: 0.045}, 6) == [3, 0, 4, 2, 3, 3]  # both slower
     assert slower.held_sizes[1] == 3
+    close = informed_policy(None)  # 4 nodes 4% faster: within the times' noise, so 3 stays (no walk past 4 to 6)
+    assert held_calls(close, {0: 0.020, 2: 0.040, 3: 0.030, 4: 0.0288}, 6) == [3, 0, 4, 2, 3, 3]
     for size, neighbours in {3: [4, 2], 4: [6, 3], 31: [48, 24], 48: [64, 32], 64: [48], 1: [2]}.items():
         assert held_neighbours(size, 95) == neighbours, size
 

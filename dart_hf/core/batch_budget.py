@@ -156,7 +156,8 @@ def held_budget(policy, rows: int) -> int:
     its own), or 0: plain decoding for the whole call. Step times of compiled graphs are not the eager steps' the
     other rules model, so this rule goes by what held calls of as many rows measured (`HeldTimes`):
     1. the first tree (`_first_held`) until its steps are timed, then plain decoding once;
-    2. the best timed tree, by tokens per second per row, (1 + E[accepted | n]) / step seconds;
+    2. the best timed tree, by tokens per second per row, (1 + E[accepted | n]) / step seconds (the size held so far
+       unless another promises `batch_margin` more);
     3. a call at each of its neighbours on `HELD_LADDER` (above first: a larger tree's acceptance informs the smaller
        ones), once each (a compile each), so the held size moves to a faster one wherever a neighbour measured
        faster, and stops where both neighbours measured slower: a device's own kernels, not a model of them, pick
@@ -184,11 +185,15 @@ def held_settled(policy, rows: int) -> bool:
 
 def _best_held(policy, rows: int) -> tuple[int, float]:
     """The timed tree of held calls of `rows` rows with the most tokens per second per row, (1 + E[accepted | n]) /
-    step seconds, and its gain over plain decoding's 1 / step seconds."""
+    step seconds, and its gain over plain decoding's 1 / step seconds. The size held so far stays unless another
+    promises `batch_margin` more: sizes within the step times' noise of each other would otherwise trade places from
+    call to call, and each move tries the new size's untimed neighbours (a compile each)."""
     times = policy.held_times
     trees, plain = times.trees(rows), times.median(rows, 0)
     gains = {n: (1.0 + e) * plain / times.median(rows, n) for n, e in zip(trees, _expected_at(policy, trees))}
-    best = max(gains, key=gains.get)
+    best, held = max(gains, key=gains.get), policy.held_sizes.get(rows)
+    if held in gains and gains[best] < (1.0 + policy.knobs.batch_margin) * gains[held]:
+        best = held
     return best, gains[best]
 
 
