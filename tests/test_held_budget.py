@@ -120,6 +120,10 @@ def test_a_held_call_moves_to_the_neighbouring_size_its_device_runs_faster_and_s
     settling = informed_policy(None)
     assert [held_calls(settling, times, 1) and held_settled(settling, 1) for _ in range(5)] == [False] * 3 + [True] * 2
     assert held_settled(policy, 1) and not held_settled(policy, 2)  # the bench's warm-up repeats calls until settled
+    for _ in range(policy.knobs.window):
+        policy.observe_held(1, 6, 0.010)  # 6 nodes measured fast now: held from then on, and its neighbour 8 ...
+    later = held_calls(policy, {**times, 6: 0.010}, 30)
+    assert set(later) <= {0, 6} and later.count(6) > 25 and policy.held_sizes[1] == 6, later  # ... never tried
     slower = informed_policy(None)
     assert held_calls(slower, {0: 0.020, 2: 0.040, 3: 0.030, 4: 0.045}, 6) == [3, 0, 4, 2, 3, 3]  # both slower
     assert slower.held_sizes[1] == 3

@@ -128,12 +128,14 @@ def next_batch_budget(policy, rows: int) -> int:
 class HeldTimes:
     """What calls held at one size measured, per row count (guarded by `policy.lock`): the step seconds of each held
     tree (each call's steps after its first, which may compile) and of plain decoding (transformers' own loop on the
-    static cache, its steps after the first, one mean per call), and the held calls since the last probe."""
+    static cache, its steps after the first, one mean per call), the held calls since the last probe, and the row
+    counts done trying sizes."""
 
     def __init__(self, window: int):
         self.window = window
         self.seconds: dict[tuple[int, int], deque] = {}  # (rows, size; 0: plain decoding) -> step seconds
         self.since_probe: dict[int, int] = {}
+        self.settled: set[int] = set()  # row counts whose calls are done trying sizes (`held_settled`)
 
     def observe(self, rows: int, size: int, seconds: float) -> None:
         self.seconds.setdefault((rows, size), deque(maxlen=self.window)).append(seconds)
@@ -161,7 +163,8 @@ def held_budget(policy, rows: int) -> int:
     3. a call at each of its neighbours on `HELD_LADDER` (above first: a larger tree's acceptance informs the smaller
        ones), once each (a compile each), so the held size moves to a faster one wherever a neighbour measured
        faster, and stops where both neighbours measured slower: a device's own kernels, not a model of them, pick
-       the size (on one 2-core CPU a 4-node step took 93 ms where a 3-node one took 107);
+       the size (on one 2-core CPU a 4-node step took 93 ms where a 3-node one took 107); then no new size is tried
+       for as many rows (`held_settled`);
     4. then that tree or plain decoding, whichever is faster (`_plain_or_tree`). Call under `policy.lock`."""
     times = policy.held_times
     if not times.trees(rows):
@@ -170,17 +173,20 @@ def held_budget(policy, rows: int) -> int:
         return 0
     best, gain = _best_held(policy, rows)
     policy.held_sizes[rows] = best
-    untried = _untried(policy, rows, best)
+    untried = [] if held_settled(policy, rows) else _untried(policy, rows, best)
     return untried[0] if untried else _plain_or_tree(policy, rows, best, gain)
 
 
 def held_settled(policy, rows: int) -> bool:
-    """Whether held calls of `rows` rows have timed every size `held_budget` tries before it settles: its first tree,
-    plain decoding and the best tree's neighbours. Call under `policy.lock` (or with no call running)."""
+    """Whether held calls of `rows` rows are done trying sizes: their first tree, plain decoding and the best tree's
+    neighbours are timed. Once they are, no new size is tried for as many rows (a new process compiles its sizes in
+    its first calls, never in a later one; the choice stays among the timed sizes and plain decoding). Call under
+    `policy.lock` (or with no call running)."""
     times = policy.held_times
-    if not times.trees(rows) or times.median(rows, 0) is None:
-        return False
-    return not _untried(policy, rows, _best_held(policy, rows)[0])
+    if rows not in times.settled and times.trees(rows) and times.median(rows, 0) is not None:
+        if not _untried(policy, rows, _best_held(policy, rows)[0]):
+            times.settled.add(rows)
+    return rows in times.settled
 
 
 def _best_held(policy, rows: int) -> tuple[int, float]:

@@ -109,7 +109,7 @@ class BudgetPolicy:
         self._since_probe = 0.0  # seconds of steps at the choice since the last probe
         self._probing = False
         self._probe_turn = 0  # which probe comes next: above the choice, the runner-up, plain decoding
-        self.held_sizes: dict[int, int] = {}  # rows -> the tree of the latest call held at one size (`call_budget`)
+        self.held_sizes: dict[int, int] = {}  # rows -> the tree calls held at one size hold now (`held_budget`)
         self.held_times = HeldTimes(k.window)  # what calls held at one size measured (`batch_budget.held_budget`)
 
     # -- observing
