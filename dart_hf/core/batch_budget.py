@@ -173,7 +173,9 @@ def held_budget(policy, rows: int) -> int:
         return 0
     best, gain = _best_held(policy, rows)
     policy.held_sizes[rows] = best
-    untried = [] if held_settled(policy, rows) else _untried(policy, rows, best)
+    untried = [] if rows in times.settled else _untried(policy, rows, best)
+    if not untried:
+        times.settled.add(rows)
     return untried[0] if untried else _plain_or_tree(policy, rows, best, gain)
 
 
@@ -271,16 +273,19 @@ def first_tree(policy, rows: int) -> int:
 
 
 def _expected(policy) -> np.ndarray | None:
-    """E[accepted | n] per candidate (`_expected_at`); None before any tree was observed."""
-    if np.isnan(policy.expected_at(policy.candidates[1:])).all():
-        return None
-    return _expected_at(policy, policy.candidates)
+    """E[accepted | n] per candidate (`_lower_bounds`); None before any tree was observed."""
+    expected = policy.expected_accepted()
+    return None if np.isnan(expected[1:]).all() else _lower_bounds(expected)
 
 
 def _expected_at(policy, sizes) -> np.ndarray:
-    """E[accepted | n] at ascending `sizes`, a tree larger than any observed taking the largest observed one's (a
+    """E[accepted | n] at ascending `sizes` (`_lower_bounds`)."""
+    return _lower_bounds(policy.expected_at(sizes))
+
+
+def _lower_bounds(expected: np.ndarray) -> np.ndarray:
+    """`expected` (at ascending sizes) with a tree larger than any observed taking the largest observed one's (a
     lower bound: a larger tree holds the smaller one); nan below every observed size."""
-    expected = policy.expected_at(sizes)
     known = ~np.isnan(expected)
     last = np.maximum.accumulate(np.where(known, np.arange(len(expected)), -1))
     return np.where(last >= 0, expected[np.maximum(last, 0)], np.nan)

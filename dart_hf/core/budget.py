@@ -426,8 +426,8 @@ def _warn_no_curve(key: dict, device_type: str) -> None:
     action = (f"run `{command}` once {fit}" if (__package__ or "").startswith("dart_hf") else
               f"with dart_hf installed, `{command}` fits the tree size to this device")
     warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {where}, so the node budget chooses between "
-                  f"plain decoding and a tree of {fixed} nodes (a static-cache call also times its neighbouring sizes); {action}, or pass dart_node_budget=<n> for a "
-                  f"fixed tree", stacklevel=_caller_stacklevel())
+                  f"plain decoding and a tree of {fixed} nodes (a static-cache call also times its neighbouring "
+                  f"sizes); {action}, or pass dart_node_budget=<n> for a fixed tree", stacklevel=_caller_stacklevel())
 
 
 def _caller_stacklevel() -> int:
