@@ -249,6 +249,23 @@ def test_after_a_slow_spell_the_tree_is_priced_by_its_probes_not_by_the_spell():
     assert after.count(0) <= 15 and policy.choice == 4, after.count(0)
 
 
+def test_a_budgets_price_does_not_change_with_which_budget_is_the_choice():
+    """Measured on a 2-core CPU (sampling, a 3-node tree about as fast as plain decoding, step times jittering by
+    ~15%): when the choice priced itself by its last 9 times and the other budget by its last 3, switching the choice
+    alone changed both prices, and the choice flipped between plain decoding and the tree at every step for runs of
+    10 steps. A budget's price is what its times say, whichever budget is the choice."""
+    clock = FakeClock()
+    policy = BudgetPolicy(None, BudgetKnobs(half_life=1e9), clock=clock)
+    assert policy.candidates == [0, 3]
+    tie = lambda b: 0.080 if b == 0 else 0.160  # the tree accepts one draft token: 2 tokens in twice the time
+    simulate(policy, clock, tie, np.r_[1.0, np.zeros(95)], 400, noise=0.15)
+    prices = []
+    for choice in policy.candidates:
+        policy.choice = choice
+        prices.append(policy.step_seconds())
+    np.testing.assert_array_equal(prices[0], prices[1])
+
+
 def test_plain_decoding_is_not_retimed_each_time_its_times_expire():
     """Where trees clearly pay, plain decoding runs only as paced probes: its expired step times stand until a probe
     replaces them (re-timing it each `max_age` steps would cost steps that clearly lose)."""

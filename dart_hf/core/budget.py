@@ -6,10 +6,11 @@ E[accepted | B], counterfactually: the budget-B' tree (B' < B) is the best B' no
 closed under ancestors, so it would have accepted #{path score ranks < B'} draft tokens (exact for greedy, an
 estimate under sampling). Counts decay (`half_life` steps).
 
-T(B): the median of this run's last `window` whole-step times at B within `max_age` steps (a load shows as it
-happens; a time measured under another load expires); for a B that is not the choice, of its last `probe_window`
-times: those come from probes, one every few dozen steps, so a window of 9 would price it for ~100 steps by the load
-it last ran under (a slow spell kept a 4-node tree priced 10% dear, and plain decoding chosen, for ~50 steps). An
+T(B): the median of this run's whole-step times at B in the last `window` steps (a load shows as it happens); for a
+B that ran fewer than `probe_window` of them (run only as a probe), of its last `probe_window` times within `max_age`
+steps (a time measured under another load expires): probes come one every few dozen steps, so a window of 9 would
+price it for ~100 steps by the load it last ran under (a slow spell kept a 4-node tree priced 10% dear, and plain
+decoding chosen, for ~50 steps). Which B is the choice does not change its price (`_recent`). An
 untimed tree size is priced from the nearest timed one A through the verify curve (`dart_hf.core.cost`) at the
 cheaper of T(A) + c(B + 1) - c(A + 1) and T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it,
 and a price too cheap gets timed and corrected, while one too dear is never timed again. Plain decoding is timed,
@@ -65,8 +66,8 @@ class BudgetKnobs:
     warmup_steps: int = 3  # first steps of a policy, at the largest candidate
     probe_share: float = 0.01  # a probe's expected loss, as a share of the time since the last probe
     explore: float = 0.5  # a probe's loss is priced at E[accepted] + explore standard errors
-    window: int = 9  # recent step times of the choice (median)
-    probe_window: int = 3  # recent step times of a budget that is not the choice (median)
+    window: int = 9  # the last steps whose times price a budget (median)
+    probe_window: int = 3  # ... or its last times, where fewer of those steps ran it (median)
     max_age: int = 64  # steps after which a step time expires
     half_life: float = 256.0  # steps; discount of the acceptance counts
     no_curve_budget: int = 3  # the tree size without a calibrated curve, CPU
@@ -172,13 +173,13 @@ class BudgetPolicy:
 
     def step_seconds(self) -> np.ndarray:
         """T(B) per candidate, as the module docstring says (nan: nothing to go by)."""
-        fresh = {b: [s for i, s in self.times[b] if self.steps - i < self.knobs.max_age] for b in self.candidates}
+        k = self.knobs
+        fresh = {b: [(i, s) for i, s in self.times[b] if self.steps - i < k.max_age] for b in self.candidates}
         if not any(fresh[b] for b in self.candidates[1:]):  # no recent tree: older times stand
-            fresh.update({b: [s for _, s in self.times[b]] for b in self.candidates[1:]})
+            fresh.update({b: list(self.times[b]) for b in self.candidates[1:]})
         if not fresh[0]:  # plain decoding's last times stand until a probe replaces them (it is never priced)
-            fresh[0] = [s for _, s in self.times[0]]
-        last = {b: self.knobs.window if b == self.choice else self.knobs.probe_window for b in self.candidates}
-        timed = {b: statistics.median(t[-last[b]:]) for b, t in fresh.items() if t}
+            fresh[0] = list(self.times[0])
+        timed = {b: statistics.median(self._recent(t)) for b, t in fresh.items() if t}
         out = np.full(len(self.candidates), np.nan)
         for i, b in enumerate(self.candidates):
             if b in timed:
@@ -190,6 +191,15 @@ class BudgetPolicy:
                 va, vb = self._verify[a], self._verify[b]
                 out[i] = max(min(timed[a] + vb - va, timed[a] * vb / va if va > 0 else np.inf), 1e-6)
         return out
+
+    def _recent(self, times: list[tuple[int, float]]) -> list[float]:
+        """The times a budget is priced by: those of the last `window` steps, or where fewer than `probe_window` of
+        its steps ran in them (a budget run only as a probe), its last `probe_window`. What the data holds decides,
+        not which budget is the choice: priced by its last 9 times as the choice and by its last 3 otherwise, a
+        budget's price changed with the choice itself, and on a 2-core CPU (sampling, the tree ~10% behind plain
+        decoding) the choice flipped between plain decoding and a 3-node tree at every step for runs of 10 steps."""
+        recent = [s for i, s in times if self.steps - i < self.knobs.window]
+        return recent if len(recent) >= self.knobs.probe_window else [s for _, s in times[-self.knobs.probe_window:]]
 
     def tokens_per_second(self) -> np.ndarray:
         return (1.0 + self.expected_accepted()) / self.step_seconds()

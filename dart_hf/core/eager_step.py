@@ -28,8 +28,8 @@ class EagerStep:
 
     def __init__(self, target, drafter: DartDrafter, cache, rows: Rows, aux_layer_ids: list[int]):
         self.target, self.drafter, self.cache, self.aux_ids = target, drafter, cache, aux_layer_ids
-        self.ragged = RaggedCache(cache, rows.mask.bool(), target.config)
         self.ragged_rows = len(rows) > 1 or any(rows.lefts)  # else one row without holes: nothing to compact, ever
+        self.ragged = RaggedCache(cache, rows.mask.bool(), target.config, solid=not self.ragged_rows)
 
     @property
     def cache_rows(self) -> int:
