@@ -173,8 +173,7 @@ class BudgetPolicy:
 
     def step_seconds(self) -> np.ndarray:
         """T(B) per candidate, as the module docstring says (nan: nothing to go by)."""
-        k = self.knobs
-        fresh = {b: [(i, s) for i, s in self.times[b] if self.steps - i < k.max_age] for b in self.candidates}
+        fresh = {b: [(i, s) for i, s in self.times[b] if self.steps - i < self.knobs.max_age] for b in self.candidates}
         if not any(fresh[b] for b in self.candidates[1:]):  # no recent tree: older times stand
             fresh.update({b: list(self.times[b]) for b in self.candidates[1:]})
         if not fresh[0]:  # plain decoding's last times stand until a probe replaces them (it is never priced)

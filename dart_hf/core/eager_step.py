@@ -28,8 +28,8 @@ class EagerStep:
 
     def __init__(self, target, drafter: DartDrafter, cache, rows: Rows, aux_layer_ids: list[int]):
         self.target, self.drafter, self.cache, self.aux_ids = target, drafter, cache, aux_layer_ids
-        self.ragged_rows = len(rows) > 1 or any(rows.lefts)  # else one row without holes: nothing to compact, ever
-        self.ragged = RaggedCache(cache, rows.mask.bool(), target.config, solid=not self.ragged_rows)
+        solid = len(rows) == 1 and not any(rows.lefts)  # one row without holes: nothing to compact, ever
+        self.ragged = RaggedCache(cache, rows.mask.bool(), target.config, solid=solid)
 
     @property
     def cache_rows(self) -> int:
@@ -40,7 +40,7 @@ class EagerStep:
     def returned_cache(self):
         """The cache `generate` returns: the call's for one unpadded row (plain decoding's entries), else None
         (ragged, and it has lost its finished rows)."""
-        return None if self.ragged_rows else self.cache
+        return self.cache if self.ragged.solid else None
 
     def start(self, input_ids: torch.Tensor, lefts: list[int], aux: torch.Tensor, first: torch.Tensor) -> None:
         """After the prefill: the prompts' states and first tokens to the drafter."""
@@ -72,5 +72,5 @@ class EagerStep:
         if len(keep) < self.drafter.head_len.shape[0]:
             self.ragged.select(torch.tensor(keep, device=self.ragged.valid.device))
             self.drafter.select(keep)
-        if self.ragged_rows:
+        if not self.ragged.solid:
             self.ragged.compact()
