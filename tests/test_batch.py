@@ -170,7 +170,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
 
     from dart_hf.core.acceptance import accept_greedy_batch
     from dart_hf.core.target import cache_kwargs
-    from dart_hf.core.verify import verify_batch
+    from dart_hf.core.ragged import verify_batch
     from transformers import DynamicCache
 
     device = "cuda" if CUDA else "cpu"

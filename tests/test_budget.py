@@ -19,16 +19,15 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 import dart_hf
 from conftest import accept_greedy, check_closed, compact_cache, informed_policy, make_head, make_target, prompts
 from dart_hf_cli import main as cli
-from dart_hf.core import budget as budget_module
 from dart_hf.core import cost as cost_module
 from dart_hf.core.ragged import decode_cache
 from dart_hf.core.budget import BudgetKnobs, BudgetPolicy, BudgetState, budget_policy, path_ranks
 from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf.core.drafter import default_node_budget
 from dart_hf.tools import calibrate as calibration
-from dart_hf.core.stopping import first_stops
+from dart_hf.core.rows import first_stops
 from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
-from dart_hf.core.verify import verify_tree
+from dart_hf.core.ragged import verify_tree
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")
@@ -296,7 +295,7 @@ def test_fixed_budget_zero_and_the_budget_argument_of_propose():
         TreeSearchParams.from_config(make_head(target, node_budget=None).config)
 
 
-def test_without_a_curve_plain_decoding_or_one_fixed_tree_and_a_hint_once_at_the_callers_line(monkeypatch):
+def test_without_a_curve_plain_decoding_or_one_fixed_tree_and_a_hint_once_at_the_callers_line():
     clock = FakeClock()
     cpu = BudgetPolicy(None, clock=clock)
     assert cpu.candidates == [0, 3] and BudgetPolicy(None, device_type="cuda").candidates == [0, 31]
@@ -304,16 +303,14 @@ def test_without_a_curve_plain_decoding_or_one_fixed_tree_and_a_hint_once_at_the
     assert chosen[:4] == [3, 3, 3, 0] and cpu.choice == 3
 
     target = make_target("llama")
-    head = make_head(target, node_budget=None)
-    monkeypatch.setattr(budget_module, "_warned_no_curve", False)
-    with pytest.warns(UserWarning, match="dart-hf calibrate") as caught:
-        target.generate(prompts(1)[0], assistant_model=head, do_sample=False, max_new_tokens=8)
-    assert [w.filename for w in caught] == [__file__]  # the user's line, not dart_hf's
-    assert budget_policy(head, target).candidates == [0, 3]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per process
-        target.generate(prompts(1)[0], assistant_model=make_head(target, node_budget=None), do_sample=False,
-                        max_new_tokens=8)
+    heads = [make_head(target, node_budget=None) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own filter: a warning once per line of the code that raised it
+        for head in heads:  # two fresh heads, two new policies: the hint is raised twice, at this one line
+            target.generate(prompts(1)[0], assistant_model=head, do_sample=False, max_new_tokens=8)
+    hints = [w for w in caught if "dart-hf calibrate" in str(w.message)]
+    assert len(hints) == 1 and hints[0].filename == __file__  # once, at the user's line, not dart_hf's
+    assert all(budget_policy(head, target).candidates == [0, 3] for head in heads)
     assert not (cost_module.cost_dir()).exists()  # generate measured nothing and wrote nothing
 
 

@@ -31,7 +31,8 @@ One policy may serve several calls at once (threads sharing a head): its statist
 thread times its own step.
 
 Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
-decoding and one tree, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint (once per process).
+decoding and one tree, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint (a `UserWarning` at the
+user's own line, which Python's default filter shows once per line: no flag of ours).
 A call held at one size (the static step) goes by its own measured times instead (`batch_budget.held_budget`).
 """
 
@@ -414,18 +415,14 @@ class BudgetState:
         return len(self.policies)
 
 
-_warned_no_curve = False
 _state_lock = threading.Lock()  # one `head.budget_state` however many calls start at once
 
 
 def _warn_no_curve(key: dict, device_type: str) -> None:
-    """The one-line hint that no verify-cost curve exists, once per process, pointing at the user's own call (the
-    first frame outside dart_hf, transformers, torch and contextlib) and at an action that exists where
-    this code runs (inside a head's `custom_generate/` copy there is no `dart-hf` command)."""
-    global _warned_no_curve
-    if _warned_no_curve:
-        return
-    _warned_no_curve = True
+    """The one-line hint that no verify-cost curve exists, raised where a policy is made (a head's first call per
+    target) and pointing at the user's own call (the first frame outside dart_hf, transformers, torch and
+    contextlib), so Python's default filter shows it once per line of the user's code, and at an action that exists
+    where this code runs (inside a head's `custom_generate/` copy there is no `dart-hf` command)."""
     fixed = BudgetKnobs.no_curve_budget if device_type == "cpu" else BudgetKnobs.no_curve_budget_gpu
     where, command = key["device_name"], "dart-hf calibrate <target folder or name>"
     if device_type == "cpu":  # a CPU curve serves one thread count (`cost_key`)

@@ -13,11 +13,10 @@ import torch
 
 from .acceptance import BatchAccepted, StepAcceptance
 from .drafter import DartDrafter
-from .ragged import RaggedCache
+from .ragged import RaggedCache, verify_batch
 from .rows import Rows
 from .stats import PhaseTimer
 from .tree import DraftTrees
-from .verify import verify_batch
 
 
 class EagerStep:

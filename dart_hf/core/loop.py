@@ -11,7 +11,7 @@ The two backends (`StepBackend`): `eager_step.EagerStep` (a `DynamicCache` with 
 batch) and `static_step.StaticStep` (a `StaticCache`, one budget and one row per call, the step captured by
 `torch.compile`). Both draft with `drafter.DartDrafter`, verify with `target.target_forward` and accept with the
 call's `acceptance.StepAcceptance`. The node budget of each step is `budget.CallBudget`'s. Refusals: `checks.py`; the
-rows as `generate` holds, returns and streams them: `rows.py`; where each row stops: `stopping.py`.
+rows as `generate` holds, returns and streams them, and where each row stops: `rows.py`.
 
 What plain batched `generate` does, and how it is kept:
 - Positions: a left-padded row counts from its first real token (cumsum of the attention mask - 1); the prefill is
@@ -42,10 +42,10 @@ from .distributed import check_tensor_parallel_call
 from .drafter import DartDrafter
 from .eager_step import EagerStep
 from .modeling import DartHead
-from .rows import ColumnStream, Rows, final_length, result, scores_after_stop
+from .rows import (ColumnStream, Rows, fast_criteria, final_length, first_stop, first_stops, result,
+                   scores_after_stop)
 from .static_step import static_requested, static_step
 from .stats import DartStats, PhaseTimer
-from .stopping import fast_criteria, first_stop, first_stops
 from .target import aux_request, aux_states, cache_kwargs, check_head_matches_target
 from .tree import DraftTrees
 
@@ -234,7 +234,7 @@ def _plain_call(model, input_ids, logits_processor: LogitsProcessorList, stoppin
 # ------------------------------------------------------------------------------------------------ after a step
 def _append(rows: Rows, active: list[int], step: BatchAccepted, stopping_criteria: StoppingCriteriaList,
             max_length: int, pad_finished: bool, keep: bool) -> int:
-    """Append each active row's new tokens up to its first stop (`stopping.first_stops`); record where rows stop.
+    """Append each active row's new tokens up to its first stop (`rows.first_stops`); record where rows stop.
     Returns how many tokens were appended over all rows.
 
     With `pad_finished` (EOS configured) a row's tokens after its stop are dropped (`generate` pads there). Without,
@@ -261,7 +261,7 @@ def _append(rows: Rows, active: list[int], step: BatchAccepted, stopping_criteri
 
 
 def _row_stop(rows: Rows, b: int, step: BatchAccepted, i: int, stopping_criteria: StoppingCriteriaList) -> int:
-    """`stopping.first_stop` on one row for criteria off the fast path (n: no stop). Rows that stopped already are
+    """`rows.first_stop` on one row for criteria off the fast path (n: no stop). Rows that stopped already are
     not asked again."""
     n = int(step.lengths[i])
     if rows.done[b] is not None:
