@@ -149,6 +149,8 @@ def accept_depthwise(trees: DraftTrees, logits: torch.Tensor, m: int, processors
         if keep_scores:
             scores.append(processed)
             raw.append(row_logits)
+        if d == m - 1:  # no depth after this one to descend to
+            break
         hit = child & (trees.parents == node.unsqueeze(1)) & (trees.tokens == chosen.unsqueeze(1))
         going = going & hit.any(dim=1)
         node = torch.where(going, hit.long().argmax(dim=1), node)
@@ -193,6 +195,9 @@ def greedy_paths(trees: DraftTrees, predicted: torch.Tensor, m: int | None = Non
     at its parent; padding nodes are never accepted. m: path slots (the compiled step's fixed M; default: the
     longest path, one host read)."""
     n = trees.width
+    if n == 1:  # every tree its root alone (a plain step): each path is the root
+        zeros = torch.zeros(predicted.shape[0], m or 1, dtype=torch.long, device=predicted.device)
+        return zeros, zeros[:, 0] + 1
     matches = (trees.tokens == predicted.gather(1, trees.parents)) & trees.real
     matches[:, 0] = True
     accepted = ~(trees.ancestor_mask & ~matches.unsqueeze(1)).any(dim=2)

@@ -152,7 +152,8 @@ class RaggedCache:
                     idx = index.to(tensor.device).expand(-1, tensor.shape[1], -1, tensor.shape[3])
                     gathered = tensor.gather(2, idx)
                     tensor[:, :, t : t + m] = gathered
-                setattr(layer, name, tensor[:, :, : t + m])
+                if tensor.shape[2] > t + m:  # (a plain step's one node is its path: nothing to cut)
+                    setattr(layer, name, tensor[:, :, : t + m])
         new = torch.arange(m, device=self.valid.device).unsqueeze(0) < lengths.to(self.valid.device).unsqueeze(1)
         self.valid = torch.cat([self.valid, new], dim=1)
         self.next_pos = self.next_pos + lengths.to(self.next_pos.device)
