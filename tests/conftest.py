@@ -26,7 +26,7 @@ from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTr
                           Qwen3Config)
 
 import dart_hf
-from dart_hf.core.ragged import RaggedCache, decode_cache
+from dart_hf.core.eager_step import RaggedCache, decode_cache
 from dart_hf.core.target import cache_kwargs
 from transformers.generation.configuration_utils import CompileConfig
 
@@ -116,7 +116,7 @@ def make_target(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **overri
 @torch.no_grad()
 def prefilled(target, prefix: torch.Tensor) -> DynamicCache:
     """A cache holding `prefix`, from one target forward (the state a verify step starts from: every layer full,
-    as a DART call keeps it, `ragged.decode_cache`)."""
+    as a DART call keeps it, `eager_step.decode_cache`)."""
     cache = decode_cache(target.config)
     target(input_ids=prefix, use_cache=True, **cache_kwargs(target, cache))
     return cache

@@ -15,7 +15,7 @@ from dart_hf import DartStats
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTrees
 from test_sliding_window import chain_tree
-from dart_hf.core import acceptance, ragged
+from dart_hf.core import acceptance, eager_step
 
 PAD = 2
 
@@ -142,7 +142,7 @@ def test_plain_steps_have_the_head_read_waiting_states_in_blocks(llama_ngram):
 def test_holes_compacted_often_stay_lossless(llama_ngram, monkeypatch):
     target, head = llama_ngram
     compactions = []
-    original = ragged.RaggedCache.compact
+    original = eager_step.RaggedCache.compact
 
     def eager(self):
         self.min_holes = 1
@@ -150,7 +150,7 @@ def test_holes_compacted_often_stay_lossless(llama_ngram, monkeypatch):
         compactions.append(done)
         return done
 
-    monkeypatch.setattr(ragged.RaggedCache, "compact", eager)
+    monkeypatch.setattr(eager_step.RaggedCache, "compact", eager)
     ids, mask = left_pad(batch_prompts(5, seed=13))
     ref = plain(target, ids, mask, max_new_tokens=40)
     assert torch.equal(dart(target, head, ids, mask, max_new_tokens=40), ref)
@@ -170,7 +170,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
 
     from dart_hf.core.acceptance import accept_greedy_batch
     from dart_hf.core.target import cache_kwargs
-    from dart_hf.core.ragged import verify_batch
+    from dart_hf.core.eager_step import verify_batch
     from transformers import DynamicCache
 
     device = "cuda" if CUDA else "cpu"
@@ -180,7 +180,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
     cache = DynamicCache(config=target.config)
     target(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
            **cache_kwargs(target, cache))
-    state = ragged.RaggedCache(cache, mask.bool(), target.config)
+    state = eager_step.RaggedCache(cache, mask.bool(), target.config)
     texts = [r[0] for r in rows]
     for step in range(2):
         trees = DraftTrees.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
@@ -477,8 +477,8 @@ def test_sliding_window_batches_equal_plain_batched_generate(model_type, monkeyp
         raise AssertionError("unknown row")
 
     monkeypatch.setattr(DartDrafter, "propose", propose)
-    commit, longest = ragged.RaggedCache.commit, []
-    monkeypatch.setattr(ragged.RaggedCache, "commit",
+    commit, longest = eager_step.RaggedCache.commit, []
+    monkeypatch.setattr(eager_step.RaggedCache, "commit",
                         lambda self, paths, lengths: (longest.append(int(lengths.max())), commit(self, paths, lengths)))
     out = target.generate(ids, attention_mask=mask, assistant_model=head, do_sample=False, max_new_tokens=24,
                           pad_token_id=PAD)

@@ -21,7 +21,7 @@ from conftest import SLIDING, SLIDING_WINDOW, compact_cache, prefilled, sliding_
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTree, ancestor_mask
 from dart_hf.core.tree import DraftTrees
-from dart_hf.core.ragged import verify_tree
+from dart_hf.core.eager_step import verify_tree
 from dart_hf.tools.targets import tiny_config
 
 WINDOW = SLIDING_WINDOW

@@ -7,9 +7,9 @@ import torch
 
 from conftest import compact_cache, make_head, make_target, prefilled, prompts, scripted_budgets
 from dart_hf.core.tree import TreeSearchParams, build_tree
-from dart_hf.core.ragged import RaggedCache
+from dart_hf.core.eager_step import RaggedCache
 from dart_hf.core.tree import DraftTrees
-from dart_hf.core.ragged import verify_tree
+from dart_hf.core.eager_step import verify_tree
 
 
 def random_tree(vocab: int, seed: int = 0, budget: int = 14):

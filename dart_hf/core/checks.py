@@ -1,6 +1,6 @@
 """What a DART tree call checks before any work: every input it could not honour as plain `generate` does is refused
 with the argument to blame (never a silent difference), the head is checked against the target and placed for it,
-and the cache it decodes into is made (`ragged.decode_cache`). Chain mode shares `prepare_call` and
+and the cache it decodes into is made (`eager_step.decode_cache`). Chain mode shares `prepare_call` and
 `check_processors`.
 """
 
@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 from .modeling import DartHead
-from .ragged import decode_cache
+from .eager_step import decode_cache
 from .stats import DartStats
 from .support import check_tree_target
 from .target import prepare_head
@@ -138,7 +138,7 @@ def check_cache(model_kwargs: dict) -> None:
 
 def eager_cache(model, model_kwargs: dict) -> DynamicCache:
     """The cache the eager step decodes into: the caller's `DynamicCache` or a new one, its sliding-window layers
-    made full (`ragged.decode_cache`: the verify masks apply the windows)."""
+    made full (`eager_step.decode_cache`: the verify masks apply the windows)."""
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
     return decode_cache(model.config, cache if isinstance(cache, DynamicCache) else None)
 

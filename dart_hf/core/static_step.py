@@ -34,8 +34,7 @@ from .acceptance import BatchAccepted, StepAcceptance
 from .distributed import tensor_parallel_group
 from .drafter import DartDrafter, batch_bucket, bucket, draft_depth
 from .modeling import DartHead
-from .ragged import backend_mask, layer_windows
-from .target import target_forward
+from .target import backend_mask, layer_windows, target_forward
 from .tree import DraftTrees
 
 CUDA_GRAPHS = os.environ.get("DART_HF_CUDA_GRAPHS") == "1"  # opt in to CUDA graphs for the DART step (untested)

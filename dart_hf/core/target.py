@@ -1,4 +1,6 @@
-"""Everything the head needs from the target: its shape, its decoder layers, and their captured inputs.
+"""Everything DART needs from the target: its shape, its decoder layers and their captured inputs, and the verify
+forward both step backends run (`target_forward`: the cache keyword, the layer states, the masks in the form its
+attention takes).
 
 The checks here are the contract that a head never drafts for a target it was not built for: a
 mismatched hidden size or vocab would otherwise fail deep inside a matmul, or worse, run and draft
@@ -12,7 +14,7 @@ import threading
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from .configuration import check_config_matches_target, dart_config_for_target  # noqa: F401 (re-exported)
 
@@ -87,6 +89,34 @@ def target_forward(target: nn.Module, input_ids: torch.Tensor, attention_mask, p
     out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                  logits_to_keep=0, **cache_kwargs(target, cache), **aux_request(aux_layer_ids))
     return out.logits.float(), aux_states(out, aux_layer_ids)
+
+
+# ---------------------------------------------------------------------------------------------- masks
+# What the verify forwards of both step backends hand the target's attention: the window of each layer and the
+# mask in the form its attention backend takes.
+def layer_windows(config) -> list[int | None]:
+    """The sliding window of each decoder layer of a target with this config (None: full attention), read from the
+    cache transformers would build for it. Layers tree verification cannot roll back are refused before any work
+    (`dart_hf.core.support.check_tree_target`)."""
+    return [int(layer.sliding_window) if getattr(layer, "is_sliding", False) else None
+            for layer in DynamicCache(config=config).layers]
+
+
+def backend_mask(visible: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
+    """`visible` [rows, N, KV] (query i may attend to key slot j) in the form the target's attention backend takes as
+    its `attention_mask`: bool [rows, 1, N, KV] for SDPA, 0 / -inf of `dtype` for eager, a BlockMask for FlexAttention."""
+    rows, n, kv = visible.shape
+    if attn_implementation == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return visible[b, q_idx, kv_idx]
+
+        return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=n, KV_LEN=kv, device=visible.device)
+    visible = visible.unsqueeze(1)
+    if attn_implementation == "sdpa":
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
 # ---------------------------------------------------------------------------------------------- placement
