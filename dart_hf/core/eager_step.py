@@ -57,12 +57,11 @@ def decode_cache(config, cache: DynamicCache | None = None) -> DynamicCache:
 class RaggedCache:
     """A `DynamicCache` over the call's active rows, with per-row slot validity and next positions."""
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor, config, min_holes: int = 16, solid: bool = False):
-        """solid: the caller knows the cache has no hole and never will (one unpadded row: each step keeps its whole
-        path)."""
+    def __init__(self, cache: DynamicCache, valid: torch.Tensor, config, min_holes: int = 16):
         self.cache = cache
-        self.solid = solid
         self.valid = valid.bool()  # [rows, T]
+        # one row without padding has no hole and never will (each step keeps its whole path): plain decoding's cache
+        self.solid = self.valid.shape[0] == 1 and bool(self.valid.all())
         self.next_pos = self.valid.sum(dim=1)  # [rows]
         self.min_holes = min_holes
         self.windows = layer_windows(config)
@@ -193,8 +192,7 @@ class EagerStep:
 
     def __init__(self, target, drafter: DartDrafter, cache, rows: Rows, aux_layer_ids: list[int]):
         self.target, self.drafter, self.cache, self.aux_ids = target, drafter, cache, aux_layer_ids
-        solid = len(rows) == 1 and not any(rows.lefts)  # one row without holes: nothing to compact, ever
-        self.ragged = RaggedCache(cache, rows.mask.bool(), target.config, solid=solid)
+        self.ragged = RaggedCache(cache, rows.mask.bool(), target.config)
 
     @property
     def cache_rows(self) -> int:
