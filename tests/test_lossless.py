@@ -1,6 +1,6 @@
 """The lossless contract in one place: greedy, `target.generate(**inputs, assistant_model=head)` returns exactly what
 plain `generate` returns with the same arguments, token for token. Sampling, DART draws every token (the first
-included) by Gumbel-max with noise hashed from a per-row seed (drawn from torch's generator once per call) and the
+included) at a uniform hashed from a per-row seed (drawn from torch's generator once per call) and the
 token's position (`dart_hf.core.acceptance`): the same seed gives the same text at every node budget, 0 (plain
 decoding inside DART's loop) included, but not plain `generate`'s text (that draws one `torch.multinomial` per
 token: the distribution is the same, not the draws; exact in distribution: test_sampling.py). So sampled cases
@@ -350,7 +350,7 @@ def test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_t
         DART drafting towards it with one."""
         processor, criterion = CountingBias(vocab), StopAfterCalls(21)
         kw = dict(do_sample=do_sample, max_new_tokens=30, logits_processor=LogitsProcessorList([processor]),
-                  stopping_criteria=StoppingCriteriaList([criterion]), **extra)
+                  stopping_criteria=StoppingCriteriaList([criterion]), eos_token_id=None, **extra)  # the criterion stops
         torch.manual_seed(seed)
         if reference is None:
             out, lengths = target.generate(ids, **kw), []

@@ -96,6 +96,28 @@ def test_a_wrong_sampling_rule_fails_the_same_check(monkeypatch, wrong):
     assert any(stat > limit for stat, limit in (chi2(c, p) for c, p in checks)), wrong
 
 
+def uniforms_correlation(uniform, seeds: torch.Tensor, positions: range) -> float:
+    """The root mean square of the correlations between the uniforms of every pair of `positions` over `seeds`."""
+    u = torch.stack([uniform(seeds, torch.full_like(seeds, p)) for p in positions])
+    corr = torch.corrcoef(u.double())
+    return float(corr[~torch.eye(len(positions), dtype=torch.bool)].pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("seeds", ["drawn", "consecutive"])
+def test_the_uniforms_of_a_rows_positions_are_independent(seeds):
+    """A row's text is exact only if the draws at its positions are independent: over 400k seeds, the correlations of
+    32 positions' uniforms must be as small as independent ones' (rms 1 / sqrt(n), within 30%), for seeds as
+    `StepAcceptance.start` draws them and for consecutive ones. One round of mixing over (seed ^ position), a
+    weaker hash, fails the same check."""
+    n = 400_000
+    given = (torch.randint(0, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(5)) if seeds == "drawn"
+             else torch.arange(n))
+    limit = 1.3 / math.sqrt(n)
+    assert uniforms_correlation(acceptance.sampling_uniform, given, range(96, 128)) < limit
+    one_round = lambda s, p: acceptance.sampling_uniform(s ^ p, torch.zeros_like(p))  # one round over s ^ p ^ const
+    assert uniforms_correlation(one_round, given, range(96, 128)) > limit
+
+
 def test_paths_follow_the_drawn_tokens_and_repeat_their_last_node():
     step = walk_counts(LogitsProcessorList(SETTINGS["top_k"]), rows=512)[2]
     tokens, paths = torch.tensor(TOKENS), step.paths
@@ -177,6 +199,7 @@ def test_a_sampled_eager_step_reads_back_once(qwen3, monkeypatch):
     target, head = qwen3
     reads, _ = step_host_reads(monkeypatch, eager_step.EagerStep)
     stats = dart_hf.DartStats()
+    torch.manual_seed(0)  # the rows' seeds: a text of 30 tokens (no early EOS), at most 7 a step
     target.generate(prompts(1, seed=60)[0], assistant_model=head, max_new_tokens=30, dart_node_budget=6,
                     repetition_penalty=1.1, dart_stats=stats, **QWEN3_SAMPLING)
     assert stats.acceptance == "device" and len(reads) >= 5

@@ -14,10 +14,10 @@
 Sampling: at each visited node the target's token is drawn from its processed distribution, and the walk descends
 when a child carries it (ancestral sampling from the target: every token follows the target's distribution
 exactly whatever the tree; a drafted child is accepted with probability p(child), as the spec's child-by-child
-rejection walk). The draw is Gumbel-max with noise that is a function of (the row's seed, the token's position in
-the row, the vocabulary entry) (`sampling_noise`): the token at a position does not depend on the tree, the node
-budget, the backend or which pass drew it, so a seed gives the same text at every budget (0: plain decoding),
-eagerly or compiled. A call draws its rows' seeds from torch's generator once, before the prefill
+rejection walk). The draw inverts the distribution's cumulative sum at a uniform that is a function of (the row's
+seed, the token's position in the row) (`sampling_uniform`): the token at a position does not depend on the tree,
+the node budget, the backend or which pass drew it, so a seed gives the same text at every budget (0: plain
+decoding), eagerly or compiled. A call draws its rows' seeds from torch's generator once, before the prefill
 (`StepAcceptance.start`); plain `generate` draws one `torch.multinomial` per token instead, so the same seed gives
 another (equally distributed) text than plain `generate`, and leaves torch's generator elsewhere.
 """
@@ -67,24 +67,28 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def sampling_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [rows, vocab] for drawing the token at `positions` [rows] of rows seeded `seeds` [rows]: a hash of
-    (seed, position, vocabulary entry) made uniform on (0, 1) at 24 bits (exact in float32, never 0 or 1). Being a
-    function of the position, not of a generator's state, it is the same whichever pass, tree or backend draws
-    that token, and the static step captures it."""
-    key = _mix(_mix(seeds & _U32) ^ positions)
-    entry = (torch.arange(vocab, device=seeds.device) * 0x27D4EB2F) & _U32
-    h = _mix(_mix(key.unsqueeze(1) ^ entry) ^ key.unsqueeze(1))
-    u = ((h >> 8).float() + 0.5) * 2.0**-24
-    return -torch.log(-torch.log(u))
+def sampling_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The uniform [rows] on (0, 1) that draws the token at `positions` [rows] of rows seeded `seeds` [rows]: a hash of
+    (seed, position) at 23 bits, so that u * total stays below any float32 total (`next_tokens`). The position is
+    mixed before it meets the seed, then the two together: with one round over (seed ^ position) some pairs of a
+    row's positions correlate at ~0.015 over a million seeds, and seeds s and s ^ p ^ q share the draws of positions p
+    and q; this way no pair correlates beyond chance. Being a function of the position, not of a generator's state, it is
+    the same whichever pass, tree or backend draws that token, and the static step captures it."""
+    key = _mix((seeds ^ _mix(positions)) & _U32)
+    return ((key >> 9).float() + 0.5) * 2.0**-23
 
 
 def next_tokens(processed: torch.Tensor, seeds: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
     """The target's tokens [rows] after processed scores [rows, vocab]: the argmax (greedy: seeds None, as
-    `GenerationMixin._sample`), or a draw from softmax(processed) by Gumbel-max with `sampling_noise`."""
+    `GenerationMixin._sample`), or a draw from softmax(processed): the first entry whose cumulative probability
+    exceeds `sampling_uniform` times the total. Each token's share of (0, 1) is its probability up to the float32
+    rounding of the running sum (~1e-7); a masked token (probability 0) adds nothing to it and is never drawn. Four
+    vocabulary-sized ops: one kernel each on an eager GPU (Gumbel-max needs a hashed noise entry per token)."""
     if seeds is None:
         return processed.argmax(dim=-1)
-    return (processed.float() + sampling_noise(seeds, positions, processed.shape[-1])).argmax(dim=-1)
+    cumulative = processed.float().softmax(dim=-1).cumsum(dim=-1)
+    threshold = sampling_uniform(seeds, positions).unsqueeze(1) * cumulative[:, -1:]
+    return (cumulative <= threshold).sum(dim=-1)
 
 
 def accept_walk(
