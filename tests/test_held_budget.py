@@ -197,7 +197,7 @@ def test_a_static_auto_call_handed_to_plain_decoding_is_plain_generate(lengths, 
         rng = torch.get_rng_state()
         torch.manual_seed(call)
         plain = target.generate(ids, streamer=plain_stream, **gen)
-        if not do_sample or stats.node_budget == 0:  # a drafting call samples with DART's own noise (README)
+        if not do_sample or stats.node_budget == 0:  # a drafting call samples with DART's own draws (README)
             assert torch.equal(out, plain), call
         if stats.node_budget == 0:
             assert stream.chunks == plain_stream.chunks and torch.equal(rng, torch.get_rng_state())

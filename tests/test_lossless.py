@@ -350,7 +350,7 @@ def test_processors_and_criteria_with_state_are_called_as_plain_generate_calls_t
         DART drafting towards it with one."""
         processor, criterion = CountingBias(vocab), StopAfterCalls(21)
         kw = dict(do_sample=do_sample, max_new_tokens=30, logits_processor=LogitsProcessorList([processor]),
-                  stopping_criteria=StoppingCriteriaList([criterion]), eos_token_id=None, **extra)  # the criterion stops
+                  stopping_criteria=StoppingCriteriaList([criterion]), eos_token_id=None, **extra)  # no EOS: 21 tokens
         torch.manual_seed(seed)
         if reference is None:
             out, lengths = target.generate(ids, **kw), []
@@ -389,7 +389,7 @@ SAMPLING_CASES = [("temperature_1", b) for b in (1, 3, 12, 40, "auto")] + [
 @pytest.mark.parametrize("setting, budget", SAMPLING_CASES)
 def test_seeded_sampling(tiny_target, plain, budget_for, setting, budget):
     """The same seed gives the same text at budget `budget` as at budget 0 (plain decoding in DART's loop, the same
-    draws): each token is drawn from the target's processed distribution with noise given by the seed and its
+    draws): each token is drawn from the target's processed distribution at a uniform given by the seed and its
     position, whatever tree the step verified. Not plain `generate`'s text (its draws are others)."""
     target = tiny_target("soft_llama")
     head = budget_for(target, make_head(target, tree_top_k=16, beam_width=8), "auto" if budget == "auto" else "fixed")

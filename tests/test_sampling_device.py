@@ -4,7 +4,7 @@ by the static step.
 Exactness is measured, not argued: thousands of rows, each with its own seed, walk the same tree over the same logits
 in ONE call, and the tokens they draw are compared with the target's processed distributions by a chi-square test
 whose threshold the test derives (the 99.9% quantile for the cells' degrees of freedom). The draws are deterministic
-(seeded), so the test cannot flake; and two deliberately wrong rules (noise shared between depths, a wrong
+(seeded), so the test cannot flake; and two deliberately wrong rules (one draw shared between depths, a wrong
 temperature) must fail the same check, which shows the test can fail.
 """
 
@@ -83,10 +83,10 @@ def test_the_device_walk_draws_the_targets_distribution_at_every_depth(setting):
         assert stat < limit, (setting, stat, limit)
 
 
-@pytest.mark.parametrize("wrong", ["noise shared between depths", "a wrong temperature"])
+@pytest.mark.parametrize("wrong", ["one draw shared between depths", "a wrong temperature"])
 def test_a_wrong_sampling_rule_fails_the_same_check(monkeypatch, wrong):
     right = acceptance.next_tokens
-    if wrong == "noise shared between depths":
+    if wrong == "one draw shared between depths":
         first_position = {}
         rule = lambda processed, seeds, positions: right(processed, seeds, first_position.setdefault(0, positions))
     else:

@@ -19,7 +19,7 @@ What plain batched `generate` does, and how it is kept:
 - Logits processors see the row exactly as `generate` gives it (left padding included, length prompt + t), at its
   own batch index (`rows.RowProcessor`). In a batch they are called once per row and token, not once per token for
   the batch, so state kept across calls would see other calls than in `generate` (SynthID is refused there).
-- Sampling: the target's own draw at each visited node, with noise given by each row's seed and the token's position
+- Sampling: the target's own draw at each visited node, at a uniform given by each row's seed and the token's position
   (`acceptance`): the same seed gives the same text at every node budget and on either backend, but not plain
   `generate`'s text (it draws with `torch.multinomial`).
 
