@@ -71,9 +71,9 @@ def sampling_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     """The uniform [rows] on (0, 1) that draws the token at `positions` [rows] of rows seeded `seeds` [rows]: a hash of
     (seed, position) at 23 bits, so that u * total stays below any float32 total (`next_tokens`). The position is
     mixed before it meets the seed, then the two together: with one round over (seed ^ position) some pairs of a
-    row's positions correlate at ~0.015 over a million seeds, and seeds s and s ^ p ^ q share the draws of positions p
-    and q; this way no pair correlates beyond chance. Being a function of the position, not of a generator's state, it is
-    the same whichever pass, tree or backend draws that token, and the static step captures it."""
+    row's positions correlate at ~0.015 over a million seeds, and seeds s and s ^ p ^ q share the draws of positions
+    p and q; this way no pair correlates beyond chance. Being a function of the position, not of a generator's
+    state, it is the same whichever pass, tree or backend draws that token, and the static step captures it."""
     key = _mix((seeds ^ _mix(positions)) & _U32)
     return ((key >> 9).float() + 0.5) * 2.0**-23
 
