@@ -82,8 +82,10 @@ def next_tokens(processed: torch.Tensor, seeds: torch.Tensor | None, positions: 
     """The target's tokens [rows] after processed scores [rows, vocab]: the argmax (greedy: seeds None, as
     `GenerationMixin._sample`), or a draw from softmax(processed): the first entry whose cumulative probability
     exceeds `sampling_uniform` times the total. Each token's share of (0, 1) is its probability up to the float32
-    rounding of the running sum (~1e-7); a masked token (probability 0) adds nothing to it and is never drawn. Four
-    vocabulary-sized ops: one kernel each on an eager GPU (Gumbel-max needs a hashed noise entry per token)."""
+    rounding of the running sum (~1e-7), which torch rounds once per prefix rather than per addition (a tail of
+    50,000 tokens of 2.5e-8 each after one likely token keeps its 1.25e-3, eager and compiled on CPU); a masked token
+    (probability 0) adds nothing to the sum and is never drawn. Four vocabulary-sized ops: one kernel each on an
+    eager GPU (Gumbel-max needs a hashed noise entry per token)."""
     if seeds is None:
         return processed.argmax(dim=-1)
     cumulative = processed.float().softmax(dim=-1).cumsum(dim=-1)
