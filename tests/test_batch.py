@@ -170,7 +170,6 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
 
     from dart_hf.core.acceptance import accept_greedy_batch
     from dart_hf.core.target import cache_kwargs
-    from dart_hf.core.eager_step import verify_batch
     from transformers import DynamicCache
 
     device = "cuda" if CUDA else "cpu"
@@ -184,7 +183,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
     texts = [r[0] for r in rows]
     for step in range(2):
         trees = DraftTrees.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
-        logits = verify_batch(target, trees, state, [0])[0]
+        logits = eager_step.verify_batch(target, trees, state, [0])[0]
         for r, tree in enumerate(trees.trees):
             for i in range(tree.size):
                 path = tree.ancestor_mask[i].nonzero().squeeze(1)

@@ -20,14 +20,13 @@ import dart_hf
 from conftest import accept_greedy, check_closed, compact_cache, informed_policy, make_head, make_target, prompts
 from dart_hf_cli import main as cli
 from dart_hf.core import cost as cost_module
-from dart_hf.core.eager_step import decode_cache
+from dart_hf.core.eager_step import decode_cache, verify_tree
 from dart_hf.core.budget import BudgetKnobs, BudgetPolicy, BudgetState, budget_policy, path_ranks
 from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf.core.drafter import default_node_budget
 from dart_hf.tools import calibrate as calibration
 from dart_hf.core.rows import first_stops
 from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
-from dart_hf.core.eager_step import verify_tree
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from conftest import compact_cache, make_head, make_target, prefilled, prompts, scripted_budgets
-from dart_hf.core.tree import TreeSearchParams, build_tree
-from dart_hf.core.eager_step import RaggedCache
-from dart_hf.core.tree import DraftTrees
-from dart_hf.core.eager_step import verify_tree
+from dart_hf.core.eager_step import RaggedCache, verify_tree
+from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
 
 
 def random_tree(vocab: int, seed: int = 0, budget: int = 14):

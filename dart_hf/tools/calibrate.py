@@ -4,9 +4,9 @@ plain decoding and one fixed tree size (`dart_hf.core.budget`). On a CPU a curve
 (part of its key: a verify on 1 thread and on 2 cost different amounts), so a process decoding on another count
 finds none; `--threads N` measures for N threads.
 
-What is timed is the target's own forward over N tree tokens (`dart_hf.core.eager_step.verify_tree`), every size once per
-round, in a few interleaved rounds (ascending, then descending sizes): a slow spell inflates one sample of every size,
-which each size's median discards. The default (3 rounds of 14 sizes) takes seconds for SmolLM2-135M on an idle
+What is timed is the target's own forward over N tree tokens (`dart_hf.core.eager_step.verify_tree`), every size
+once per round, in a few interleaved rounds (ascending, then descending sizes): a slow spell inflates one sample of
+every size, which each size's median discards. The default (3 rounds of 14 sizes) takes seconds for SmolLM2-135M on an idle
 2-core CPU and 40-45 s beside a busy process; the measurement stops at `max_seconds` (`dart-hf calibrate`: 45 s),
 after timing at least the smallest and the largest size.
 
@@ -37,10 +37,9 @@ import numpy as np
 import torch
 
 from ..core.cost import VerifyCost, cost_file, cost_key, load_curve
-from ..core.eager_step import decode_cache
+from ..core.eager_step import RaggedCache, decode_cache, verify_batch, verify_tree
 from ..core.target import cache_kwargs
-from ..core.tree import DraftTree, ancestor_mask
-from ..core.eager_step import verify_tree
+from ..core.tree import DraftTree, DraftTrees, ancestor_mask
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96)
@@ -343,9 +342,6 @@ def measure_batch_verify_cost(target, rows: Sequence[int] = (1, 2, 4, 8), nodes:
     N tree tokens each (root included), after `past_len` cached tokens per row, for every (R, N): interleaved rounds,
     as `measure_verify_cost`. Returns {"rows", "nodes", "seconds": [len(rows)][len(nodes)], "past_len", ...};
     `extra`: more (R, N) pairs timed in the same rounds, in "extra_seconds" {"R,N": seconds}."""
-    from ..core.eager_step import RaggedCache
-    from ..core.tree import DraftTrees
-    from ..core.eager_step import verify_batch
 
     device = target.device
     cfg = target.config.get_text_config()
