@@ -101,8 +101,7 @@ def first_stops(
     j = torch.arange(m, device=tokens.device).unsqueeze(0)
     for c in stopping_criteria:
         if type(c) is EosTokenCriteria:
-            c.eos_token_id = c.eos_token_id.to(tokens.device)
-            hit = torch.isin(tokens, c.eos_token_id) & (j < limit.unsqueeze(1))
+            hit = torch.isin(tokens, c.eos_token_id.to(tokens.device)) & (j < limit.unsqueeze(1))
             limit = torch.minimum(limit, torch.where(hit, j, m).min(dim=1).values)
     return limit
 
