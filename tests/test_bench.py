@@ -212,6 +212,14 @@ def test_left_pad_and_new_token_counts():
     assert parse("--batch-size", "1", "4", "8").batch_size == [1, 4, 8] and parse().batch_size == [1]
 
 
+@pytest.fixture(autouse=True)
+def fresh_compiler_per_test():
+    """Every test here starts with dynamo's caches empty: a cost-aware compiled method compiles the sizes its policy
+    times, which depends on the machine's load, so graphs left by an earlier test could push a later one past
+    dynamo's limit of 8 per function (`conftest.fresh_compiler` resets per module)."""
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------ compiled rows, --profile
 # compile backend "eager": dynamo captures the graphs (fullgraph, the same guards and recompiles as inductor) without
 # generating code, seconds instead of minutes
