@@ -137,11 +137,11 @@ def check_closed(tree) -> None:
 
 
 def accept_greedy(tree, logits: torch.Tensor):
-    """Greedy acceptance of one tree (`accept_greedy_batch` on a batch of one): (path, new tokens)."""
-    from dart_hf.core.acceptance import accept_greedy_batch
+    """Greedy acceptance of one tree (`accept_nodes` on a batch of one): (path, new tokens)."""
+    from dart_hf.core.acceptance import accept_nodes
     from dart_hf.core.tree import DraftTrees
 
-    step = accept_greedy_batch(DraftTrees.stack([tree]), logits.unsqueeze(0))
+    step = accept_nodes(DraftTrees.stack([tree]), logits.unsqueeze(0))
     n = int(step.lengths[0])
     return step.paths[0, :n], step.tokens[0, :n]
 
@@ -259,6 +259,15 @@ def stop_word_tokenizer() -> PreTrainedTokenizerFast:
 def fresh_compiler():
     """Each test module starts with dynamo's caches empty, so its graphs count alone against dynamo's limit of 8 per
     function and process (`decode_step`'s graphs of earlier modules in the same xdist worker would push it over)."""
+    torch._dynamo.reset()
+
+
+@pytest.fixture()
+def fresh_compiler_per_test():
+    """Dynamo's caches emptied before the test, for modules whose cost-aware compiled calls compile the sizes their
+    policy times: how many depends on the machine's load, so graphs an earlier test of the module left could push a
+    later one past dynamo's limit of 8 per function (a CI flake on a busy machine). Such modules use it for every
+    test (`pytestmark = pytest.mark.usefixtures("fresh_compiler_per_test")`)."""
     torch._dynamo.reset()
 
 

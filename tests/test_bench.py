@@ -16,7 +16,7 @@ from dart_hf.tools.bench_timing import CompetingLoad, left_pad, new_token_counts
 from dart_hf_cli import build_parser
 
 
-pytestmark = pytest.mark.usefixtures("private_cache")
+pytestmark = pytest.mark.usefixtures("private_cache", "fresh_compiler_per_test")
 
 
 def broken(t, h, ids, **kw):
@@ -210,14 +210,6 @@ def test_left_pad_and_new_token_counts():
     assert new_token_counts(out, 3, [1]) == [2, 3]  # up to and including the first EOS
     assert new_token_counts(out, 3, []) == [3, 3]
     assert parse("--batch-size", "1", "4", "8").batch_size == [1, 4, 8] and parse().batch_size == [1]
-
-
-@pytest.fixture(autouse=True)
-def fresh_compiler_per_test():
-    """Every test here starts with dynamo's caches empty: a cost-aware compiled method compiles the sizes its policy
-    times, which depends on the machine's load, so graphs left by an earlier test could push a later one past
-    dynamo's limit of 8 per function (`conftest.fresh_compiler` resets per module)."""
-    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------------------ compiled rows, --profile

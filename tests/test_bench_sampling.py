@@ -18,7 +18,7 @@ from dart_hf.tools.bench_synthetic import run_synthetic
 from dart_hf_cli import build_parser
 
 
-pytestmark = pytest.mark.usefixtures("private_cache")
+pytestmark = pytest.mark.usefixtures("private_cache", "fresh_compiler_per_test")
 
 
 def parse(*argv):

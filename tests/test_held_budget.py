@@ -17,7 +17,7 @@ from dart_hf.core.cost import VerifyCost, load_curve
 from dart_hf import DartStats
 from test_budget import write_curve
 
-pytestmark = pytest.mark.usefixtures("private_cache")
+pytestmark = pytest.mark.usefixtures("private_cache", "fresh_compiler_per_test")
 
 
 def test_a_held_call_takes_the_batch_rules_best_tree_for_its_rows_and_keeps_it_unless_another_is_clearly_better():
