@@ -381,6 +381,6 @@ def test_one_rounding_rule_sizes_every_buffer_of_a_step():
         config._eos_token_tensor = None
         step, reason = static_step.static_step(target, head, ids, None, config, 8, True, [0, 3, 5], True)
         assert reason is None
-        shapes[max_length] = (step.cache.layers[0].max_cache_len, tuple(step.drafter.head_k.shape), tuple(step.drafter.text.shape))
+        shapes[max_length] = (step.cache.layers[0].max_cache_len, tuple(step.drafter.kv.k.shape), tuple(step.drafter.text.shape))
     assert bucket(240) == bucket(247) == bucket(256) == 256 and bucket(257) == 512
     assert shapes[230] == shapes[240] == shapes[247] == shapes[256] != shapes[257]

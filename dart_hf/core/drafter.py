@@ -3,7 +3,7 @@
 (`dart_hf.integrations.transformers.DartCandidateGenerator`).
 
 A `DartDrafter` lives for one `generate` call and holds, per row, as device tensors of fixed shapes:
-- the head's keys/values of every position it has read (`head_k`, `head_v`, `head_len`);
+- the head's keys/values of every position it has read (`kv`, the head's `HeadKVCache`);
 - the target states of verified positions it has not read yet and the token after each (`pend_aux`, `pend_tok`,
   `n_pend`): the next head forward reads them, then drafts;
 - the text so far (`text`, `text_len`): the n-gram context, prompt lookup and the tree's root read it.
@@ -97,11 +97,8 @@ class DartDrafter:
         k1 = config.num_predictions
         self.capacity = PENDING_LIMIT + k1 + 1 if pending is None else pending
         self.slots = bucket(self.limit) + self.capacity + k1  # head: every read position + a forward's rows
-        kv = (rows, config.num_key_value_heads, self.slots if full else min(self.slots, 4096), config.head_dim)
+        self.kv = head.new_cache(self.slots if full else min(self.slots, 4096), rows)
         long = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.device)
-        self.head_k = torch.zeros(kv, device=self.device, dtype=head.dtype)
-        self.head_v = torch.zeros(kv, device=self.device, dtype=head.dtype)
-        self.head_len = long(rows)
         self.pend_aux = torch.zeros(rows, self.capacity, 3 * config.target_hidden_size, device=self.device,
                                     dtype=head.dtype)
         self.pend_tok, self.n_pend = long(rows, self.capacity), long(rows)
@@ -114,7 +111,7 @@ class DartDrafter:
 
     def tensors(self) -> list[torch.Tensor]:
         """The state updated in place every step (the static step gives them fixed addresses)."""
-        return [self.head_k, self.head_v, self.head_len, self.pend_aux, self.pend_tok, self.n_pend, self.text,
+        return [self.kv.k, self.kv.v, self.kv.lengths, self.pend_aux, self.pend_tok, self.n_pend, self.text,
                 self.text_len]
 
     # ------------------------------------------------------------------------------ after the prefill (eager)
@@ -148,9 +145,9 @@ class DartDrafter:
         depth - 1 MASK rows: logits [rows, depth, draft vocab]. The pending positions join the head's keys/values.
         A row with none pending drafts from one dummy position, not kept. kv_len: attend to that many slots."""
         aux, tokens = self.pend_aux[:, :width], self.pend_tok[:, :width]
-        logits = self.head.draft_rows(aux, tokens, self.n_pend.clamp(min=1), self.head_k, self.head_v, self.head_len,
+        logits = self.head.draft_rows(aux, tokens, self.n_pend.clamp(min=1), self.kv.k, self.kv.v, self.kv.lengths,
                                       depth, self.modules, kv_len=kv_len)
-        self.head_len.add_(self.n_pend)
+        self.kv.lengths.add_(self.n_pend)
         self.n_pend.zero_()
         return logits
 
@@ -224,7 +221,7 @@ class DartDrafter:
         with timer.phase("draft"):
             width = max(self.pending)
             kv_len = max(self.head_lens) + width + depth - 1
-            self._reserve(kv_len)
+            self.kv.reserve(kv_len, self.slots)
             logits = self.forward(depth, width, kv_len)
             self._pending_read()
         with timer.phase("tree"):
@@ -234,7 +231,8 @@ class DartDrafter:
     def select(self, keep: list[int]) -> None:
         """Keep only the rows `keep` (indices into the current rows, in order): finished rows leave the batch."""
         index = torch.tensor(keep, device=self.device)
-        for name in ("head_k", "head_v", "head_len", "pend_aux", "pend_tok", "n_pend", "text", "text_len"):
+        self.kv.select(index)
+        for name in ("pend_aux", "pend_tok", "n_pend", "text", "text_len"):
             setattr(self, name, getattr(self, name)[index])
         self.head_lens, self.used, self.pending, self.exhausted = (
             [v[i] for i in keep] for v in (self.head_lens, self.used, self.pending, self.exhausted))
@@ -244,11 +242,10 @@ class DartDrafter:
         forward; its one prediction is not used)."""
         width = aux.shape[1]
         kv_len = max(self.head_lens) + width
-        self._reserve(kv_len)
+        self.kv.reserve(kv_len, self.slots)
         real = torch.tensor([max(c, 1) for c in counts], device=self.device)
-        self.head.draft_rows(aux, tokens, real, self.head_k, self.head_v, self.head_len, 1, self.modules,
-                             kv_len=kv_len)
-        self.head_len.add_(torch.tensor(counts, device=self.device))
+        self.head.draft_rows(aux, tokens, real, self.kv.k, self.kv.v, self.kv.lengths, 1, self.modules, kv_len=kv_len)
+        self.kv.lengths.add_(torch.tensor(counts, device=self.device))
         self.head_lens = [h + c for h, c in zip(self.head_lens, counts)]
 
     def _read_pending(self) -> None:
@@ -263,11 +260,3 @@ class DartDrafter:
         """After `forward`: its pending positions are the head's now (host counts)."""
         self.head_lens = [h + p for h, p in zip(self.head_lens, self.pending)]
         self.pending = [0] * len(self.pending)
-
-    def _reserve(self, slots: int) -> None:
-        """Room for `slots` head key/value slots per row (doubling, up to `self.slots`), keeping what is there."""
-        have = self.head_k.shape[2]
-        if slots > have:
-            cap = min(max(2 * have, slots), self.slots)
-            grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], cap - have, t.shape[3])], dim=2)
-            self.head_k, self.head_v = grow(self.head_k), grow(self.head_v)

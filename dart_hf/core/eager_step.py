@@ -232,7 +232,7 @@ class EagerStep:
         """After a step: only the rows `keep` (indices into the active rows) decode on; holes every row has go."""
         if not keep:
             return
-        if len(keep) < self.drafter.head_len.shape[0]:
+        if len(keep) < self.drafter.kv.lengths.shape[0]:
             self.ragged.select(torch.tensor(keep, device=self.ragged.valid.device))
             self.drafter.select(keep)
         if not self.ragged.solid:

@@ -130,7 +130,9 @@ class DartMidLayer(nn.Module):
 @dataclass
 class HeadKVCache:
     """Keys/values of the head's REAL positions for one or more rows, preallocated (gpt-fast style) and grown by
-    doubling: k / v [rows, kv heads, capacity, head dim]; row r holds `lengths[r]` positions."""
+    doubling: k / v [rows, kv heads, capacity, head dim]; row r holds `lengths[r]` positions. Zero-filled: a row
+    shorter than the batch's longest attends over slots it never wrote, masked, and 0 x NaN garbage would be NaN.
+    `head.draft` steps one; a call's drafter (`dart_hf.core.drafter.DartDrafter`) holds one for all its rows."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -139,7 +141,7 @@ class HeadKVCache:
     @classmethod
     def empty(cls, config: DartConfig, device, dtype, capacity: int = 256, rows: int = 1) -> "HeadKVCache":
         shape = (rows, config.num_key_value_heads, capacity, config.head_dim)
-        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype),
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
                    torch.zeros(rows, dtype=torch.long, device=device))
 
     @property
@@ -147,11 +149,12 @@ class HeadKVCache:
         """Positions of a one-row cache (a host read)."""
         return int(self.lengths[0])
 
-    def reserve(self, slots: int) -> None:
-        """Make room for `slots` slots per row (doubling), keeping what is cached."""
-        if slots > self.k.shape[2]:
-            cap = max(2 * self.k.shape[2], slots)
-            grow = lambda t: torch.cat([t, t.new_empty(*t.shape[:2], cap - t.shape[2], t.shape[3])], dim=2)
+    def reserve(self, slots: int, limit: int | None = None) -> None:
+        """Make room for `slots` slots per row (doubling, at most `limit`), keeping what is cached."""
+        have = self.k.shape[2]
+        if slots > have:
+            cap = max(2 * have, slots) if limit is None else min(max(2 * have, slots), limit)
+            grow = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], cap - have, t.shape[3])], dim=2)
             self.k, self.v = grow(self.k), grow(self.v)
 
     def select(self, rows: torch.Tensor) -> None:

@@ -241,7 +241,7 @@ class StaticStep:
     @property
     def cache_rows(self) -> int:
         """Rows the cache and the drafter hold: the call's, then copies of its first up to the batch bucket."""
-        return self.drafter.head_len.shape[0]
+        return self.drafter.kv.lengths.shape[0]
 
     @property
     def nodes(self) -> int:
