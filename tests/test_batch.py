@@ -168,7 +168,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
     """Each row's tree sees exactly its own committed tokens: left padding and the holes of a commit are masked."""
     from test_verify import random_tree
 
-    from dart_hf.core.acceptance import accept_greedy_batch
+    from dart_hf.core.acceptance import accept_nodes
     from dart_hf.core.target import cache_kwargs
     from transformers import DynamicCache
 
@@ -189,7 +189,7 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
                 path = tree.ancestor_mask[i].nonzero().squeeze(1)
                 seq = torch.cat([texts[r], tree.tokens[path]]).unsqueeze(0)
                 torch.testing.assert_close(logits[r, i], target(input_ids=seq).logits[0, -1], atol=1e-4, rtol=1e-4)
-        acc = accept_greedy_batch(trees, logits)
+        acc = accept_nodes(trees, logits)
         state.commit(acc.paths, acc.lengths)  # rows accept different lengths: holes
         texts = [torch.cat([texts[r], trees.tokens[r, acc.paths[r, : int(acc.lengths[r])]]]) for r in range(3)]
 

@@ -1,5 +1,6 @@
-"""Sampling on the device (`acceptance.accept_depthwise`): exact, fixed-shape, one host read per step, captured whole
-by the static step.
+"""Sampling on the device (`acceptance.accept_depthwise`, and `acceptance.accept_nodes` for processors that read the
+scores alone on trees no wider than their depth): exact, fixed-shape, one host read per step, captured whole by the
+static step.
 
 Exactness is measured, not argued: thousands of rows, each with its own seed, walk the same tree over the same logits
 in ONE call, and the tokens they draw are compared with the target's processed distributions by a chi-square test
@@ -61,13 +62,23 @@ SETTINGS = {
 }
 
 
-def walk_counts(processors: LogitsProcessorList, rows: int = 20000, vocab: int = 8):
+def walk(kind: str, trees, logits, m, processors, seeds, positions, keep_scores=False):
+    """The device acceptance `kind`: "depthwise" (one pass per depth) or "nodes" (every node at once)."""
+    if kind == "nodes":
+        return acceptance.accept_nodes(trees, logits, m, processors, seeds, positions, keep_scores)
+    return acceptance.accept_depthwise(trees, logits, m, processors, None, seeds, positions, keep_scores)
+
+
+WALKS = ["depthwise", "nodes"]
+
+
+def walk_counts(processors: LogitsProcessorList, rows: int = 20000, vocab: int = 8, kind: str = "depthwise"):
     """Counts of the first token, and of the second after the likely child 2, over `rows` seeded rows."""
     torch.manual_seed(0)
     logits = torch.randn(6, vocab)
     logits[0, 2] += 1.5  # the first child is likely, so second tokens are drawn often
-    step = acceptance.accept_depthwise(tree_rows(rows), logits.expand(rows, -1, -1), 3, processors, None,
-                                       torch.arange(rows), torch.full((rows,), 17), keep_scores=False)
+    step = walk(kind, tree_rows(rows), logits.expand(rows, -1, -1), 3, processors, torch.arange(rows),
+                torch.full((rows,), 17))
     first = torch.bincount(step.tokens[:, 0], minlength=vocab).float()
     after_2 = step.tokens[(step.tokens[:, 0] == 2), 1]
     second = torch.bincount(after_2, minlength=vocab).float()
@@ -75,24 +86,25 @@ def walk_counts(processors: LogitsProcessorList, rows: int = 20000, vocab: int =
     return (first, exact(0)), (second, exact(1)), step
 
 
+@pytest.mark.parametrize("kind", WALKS)
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_the_device_walk_draws_the_targets_distribution_at_every_depth(setting):
+def test_the_device_walk_draws_the_targets_distribution_at_every_depth(setting, kind):
     processors = LogitsProcessorList(SETTINGS[setting])
-    for counts, probs in walk_counts(processors)[:2]:
+    for counts, probs in walk_counts(processors, kind=kind)[:2]:
         stat, limit = chi2(counts, probs)
         assert stat < limit, (setting, stat, limit)
 
 
+@pytest.mark.parametrize("kind", WALKS)
 @pytest.mark.parametrize("wrong", ["one draw shared between depths", "a wrong temperature"])
-def test_a_wrong_sampling_rule_fails_the_same_check(monkeypatch, wrong):
+def test_a_wrong_sampling_rule_fails_the_same_check(monkeypatch, wrong, kind):
     right = acceptance.next_tokens
-    if wrong == "one draw shared between depths":
-        first_position = {}
-        rule = lambda processed, seeds, positions: right(processed, seeds, first_position.setdefault(0, positions))
+    if wrong == "one draw shared between depths":  # every depth drawn at the root's position
+        rule = lambda processed, seeds, positions: right(processed, seeds, torch.full_like(positions, 17))
     else:
         rule = lambda processed, seeds, positions: right(processed * 1.25, seeds, positions)
     monkeypatch.setattr(acceptance, "next_tokens", rule)
-    checks = walk_counts(LogitsProcessorList(SETTINGS["temperature"]))[:2]
+    checks = walk_counts(LogitsProcessorList(SETTINGS["temperature"]), kind=kind)[:2]
     assert any(stat > limit for stat, limit in (chi2(c, p) for c, p in checks)), wrong
 
 
@@ -118,8 +130,9 @@ def test_the_uniforms_of_a_rows_positions_are_independent(seeds):
     assert uniforms_correlation(one_round, given, range(96, 128)) > limit
 
 
-def test_paths_follow_the_drawn_tokens_and_repeat_their_last_node():
-    step = walk_counts(LogitsProcessorList(SETTINGS["top_k"]), rows=512)[2]
+@pytest.mark.parametrize("kind", WALKS)
+def test_paths_follow_the_drawn_tokens_and_repeat_their_last_node(kind):
+    step = walk_counts(LogitsProcessorList(SETTINGS["top_k"]), rows=512, kind=kind)[2]
     tokens, paths = torch.tensor(TOKENS), step.paths
     for r in range(512):
         n = int(step.lengths[r])
@@ -166,22 +179,36 @@ def test_a_sampled_batch_of_one_prompt_per_seed_follows_the_target(static):
         assert stat < limit, (t, stat, limit)
 
 
-def test_every_budget_and_backend_draws_the_same_text_for_a_seed():
-    """The draw at a position does not depend on the tree: budgets 0 (plain decoding), 3, 12 and the static step,
-    for a batch with a repetition penalty and min-p."""
+@pytest.mark.parametrize("penalty", [1.3, None], ids=["repetition_penalty", "scores_only"])
+def test_every_budget_and_backend_draws_the_same_text_for_a_seed(penalty, monkeypatch):
+    """The draw at a position does not depend on the tree: budgets 0 (plain decoding), 3, 12 and the static step at 3
+    and 12, for a batch with min-p and a repetition penalty (the depthwise walk at every budget), or without it (the
+    trees of 1 and 4 nodes drawn at every node at once, `accept_nodes`; those of 13, wider than their depth, walked
+    depthwise: both kinds in play)."""
     target = make_target("llama", pad_token_id=0)
     head = make_head(target)
     ids, mask = left_padded((6, 9), seed=3)
-    kw = dict(attention_mask=mask, do_sample=True, temperature=0.8, repetition_penalty=1.3, min_p=0.05,
+    kw = dict(attention_mask=mask, do_sample=True, temperature=0.8, repetition_penalty=penalty, min_p=0.05,
               max_new_tokens=24)
+    widths = {"nodes": set(), "depthwise": set()}
+    for kind in widths:
+        def spy(trees, *args, _run=getattr(acceptance, f"accept_{kind}"), _kind=kind, **kwargs):
+            widths[_kind].add(trees.width)
+            return _run(trees, *args, **kwargs)
+        monkeypatch.setattr(acceptance, f"accept_{kind}", spy)
     outs, stats = [], dart_hf.DartStats()
-    for budget, extra in ((0, {}), (3, {}), (12, {}), (12, dict(cache_implementation="static", disable_compile=True))):
+    static = dict(cache_implementation="static", disable_compile=True)
+    for budget, extra in ((0, {}), (3, {}), (12, {}), (3, static), (12, static)):
         torch.manual_seed(7)
         outs.append(target.generate(ids, assistant_model=head, dart_node_budget=budget, dart_stats=stats, **kw,
                                     **extra))
         assert stats.acceptance == "device"
     assert stats.static
     assert all(torch.equal(o, outs[0]) for o in outs)
+    if penalty:
+        assert not widths["nodes"] and {1, 4, 13} <= widths["depthwise"], widths
+    else:
+        assert widths["nodes"] >= {1, 4} and 13 in widths["depthwise"] and max(widths["nodes"]) < 13, widths
     torch.manual_seed(8)
     assert not torch.equal(target.generate(ids, assistant_model=head, dart_node_budget=3, **kw), outs[0])
 

@@ -1,10 +1,14 @@
 """Choosing which draft tokens the target accepts (docs/DART_SPEC.md §4). Every rule is lossless, and one
 `StepAcceptance` per call picks among them for both step backends:
 
-- `accept_greedy_batch`: greedy without logits processors. Vectorised over every row's whole tree: a node is accepted
-  when its token equals the target's argmax at every ancestor; the deepest accepted node ends the path.
+- `accept_nodes`: greedy without logits processors, and sampling (or greedy) with processors that read the scores
+  alone, where the trees have no more nodes than path slots. Vectorised over every row's whole tree: the target's
+  token after every node at once (the argmax, or a draw at the node's position), then a node is accepted when its
+  token is the one chosen at its parent, all the way up; the deepest accepted node ends the path.
 - `accept_depthwise`: sampling, or greedy with the processors `generate` builds from a generation config
-  (temperature, top-k, top-p, min-p, repetition penalty: `DEVICE_PROCESSORS`). On the device, for every row at once:
+  (temperature, top-k, top-p, min-p, repetition penalty: `DEVICE_PROCESSORS`), where `accept_nodes` does not serve
+  (a repetition penalty reads the path; a tree wider than its depth would cost more vocabulary-sized work at every
+  node than at the path's). On the device, for every row at once:
   one pass per depth applies the processors to the logits of the node each row stands on, with that node's own
   context, picks the target's token there (`next_tokens`) and descends to the child that carries it. Fixed shapes,
   no host read: the static step captures it inside its graph.
@@ -216,16 +220,25 @@ def greedy_paths(trees: DraftTrees, predicted: torch.Tensor, m: int | None = Non
     return torch.where(order < n, order, deepest.unsqueeze(1)), lengths
 
 
-def accept_greedy_batch(trees: DraftTrees, logits: torch.Tensor, keep_scores: bool = False,
-                        m: int | None = None) -> BatchAccepted:
-    """Greedy acceptance for every row at once (logits [rows, N, V]): `greedy_paths` of the target's argmax at every
-    node, in m path slots (default: the longest path, one host sync)."""
-    predicted = logits.argmax(dim=-1)  # [rows, N]
-    paths, lengths = greedy_paths(trees, predicted, m)
-    # greedy: the token after path node j is the target's argmax there (the next path node's token, or the bonus)
-    tokens = predicted.gather(1, paths)
-    rows = logits.gather(1, paths.unsqueeze(2).expand(-1, -1, logits.shape[2])) if keep_scores else None
-    return BatchAccepted(paths, lengths, tokens, rows, rows)
+def accept_nodes(trees: DraftTrees, logits: torch.Tensor, m: int | None = None,
+                 processors: LogitsProcessorList | tuple = (), seeds: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, keep_scores: bool = False) -> BatchAccepted:
+    """The target's token after EVERY node at once, then each row's deepest draft whose every token is the one chosen
+    at its parent (`greedy_paths`), in m path slots (default: the longest path, one host read). logits [rows, N, V].
+    Greedy without processors: the argmax at every node. Otherwise `processors` that read the scores alone (not a
+    repetition penalty) and `next_tokens` at the node's position (`positions` [rows]: each row's next one, + the
+    node's depth): a node's token depends on nothing but its own logits and position, so this is the device walk's
+    result (`accept_depthwise`), drawn in ONE pass over the rows' N nodes instead of M passes of one node each."""
+    rows, n, vocab = logits.shape
+    flat = logits.reshape(rows * n, vocab)
+    processed = processors(flat.new_zeros(rows * n, 0, dtype=torch.long), flat.clone()) if len(processors) else flat
+    node_seeds = None if seeds is None else seeds.view(-1, 1).expand(rows, n).reshape(-1)
+    node_positions = None if positions is None else (positions.view(-1, 1) + trees.depths).reshape(-1)
+    chosen = next_tokens(processed, node_seeds, node_positions).view(rows, n)
+    paths, lengths = greedy_paths(trees, chosen, m)
+    # the token after path node j is the one chosen there (the next path node's token, or the bonus)
+    pick = lambda t: t.view(rows, n, vocab).gather(1, paths.unsqueeze(2).expand(-1, -1, vocab)) if keep_scores else None
+    return BatchAccepted(paths, lengths, chosen.gather(1, paths), pick(processed), pick(flat))
 
 
 def runs_on_device(processors: LogitsProcessorList, lefts: list[int]) -> bool:
@@ -242,7 +255,8 @@ def runs_on_device(processors: LogitsProcessorList, lefts: list[int]) -> bool:
 
 class StepAcceptance:
     """The acceptance of a call's steps, for the eager and the static step alike (`mode`): "greedy" without
-    processors (`accept_greedy_batch`), "device" for sampling and the config's processors (`accept_depthwise`), else
+    processors (`accept_nodes`), "device" for sampling and the config's processors (`accept_nodes` or
+    `accept_depthwise`: `on_device`), else
     "walk" (`accept_walk` per row, each row seeing itself as plain `generate` shows it: `RowProcessor`). Sampling draws
     with the rows' seeds (`start`), so a row's text does not depend on the trees the budget picks."""
 
@@ -296,11 +310,13 @@ class StepAcceptance:
 
     def on_device(self, trees: DraftTrees, logits: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor, m: int,
                   seeds: torch.Tensor | None) -> BatchAccepted:
-        """The acceptance in m path slots without a host read: greedy (`accept_greedy_batch`), or `accept_depthwise`
-        with the rows' texts as the processors' context (a repetition penalty's token set: the row without its
-        padding, which `generate` makes it ignore) and each row's next position."""
-        if self.greedy:
-            return accept_greedy_batch(trees, logits, self.keep_scores, m)
+        """The acceptance in m path slots without a host read, at each row's next position: `accept_nodes` for greedy
+        and for processors that read the scores alone on trees of at most m nodes (every tree up to the head's K + 1
+        nodes: its depth, and so m - 1, is its node budget), one pass over every node; else `accept_depthwise`, with
+        the rows' texts as the processors' context (a repetition penalty's token set: the row without its padding,
+        which `generate` makes it ignore), one pass per depth over the node each row stands on."""
+        if self.greedy or (not self.needs_context and trees.width <= m):
+            return accept_nodes(trees, logits, m, self.device_processors, seeds, text_len, self.keep_scores)
         context = None
         if self.needs_context:
             written = torch.arange(text.shape[1], device=text.device) < text_len.unsqueeze(1)

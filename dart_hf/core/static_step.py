@@ -12,7 +12,7 @@ length) and host reads, so it cannot be captured. Here every shape is fixed for 
   pending slots (M = depth + 1, the first `n_pend` real), so its head forward and tree search have one shape;
 - the masks are tensors built from the device-side lengths (no Python int of a length anywhere in the step);
 - head forward + tree search + verify (`target.target_forward`) + acceptance (greedy, or the call's sampling and
-  processors on the device: `acceptance.accept_depthwise`) + commit is `decode_step`, captured with `fullgraph=True`;
+  processors on the device: `StepAcceptance.on_device`) + commit is `decode_step`, captured with `fullgraph=True`;
   the accepted length, tokens and paths' score ranks (what the cost-aware budget learns from) come back to the host
   in ONE copy per step.
 
