@@ -232,13 +232,16 @@ def accept_nodes(trees: DraftTrees, logits: torch.Tensor, m: int | None = None,
     rows, n, vocab = logits.shape
     flat = logits.reshape(rows * n, vocab)
     processed = processors(flat.new_zeros(rows * n, 0, dtype=torch.long), flat.clone()) if len(processors) else flat
-    node_seeds = None if seeds is None else seeds.view(-1, 1).expand(rows, n).reshape(-1)
-    node_positions = None if positions is None else (positions.view(-1, 1) + trees.depths).reshape(-1)
-    chosen = next_tokens(processed, node_seeds, node_positions).view(rows, n)
+    if seeds is None:  # greedy: the argmax, no position needed
+        chosen = next_tokens(processed, None, positions).view(rows, n)
+    else:
+        node_positions = (positions.view(-1, 1) + trees.depths).reshape(-1)
+        chosen = next_tokens(processed, seeds.view(-1, 1).expand(rows, n).reshape(-1), node_positions).view(rows, n)
     paths, lengths = greedy_paths(trees, chosen, m)
     # the token after path node j is the one chosen there (the next path node's token, or the bonus)
     pick = lambda t: t.view(rows, n, vocab).gather(1, paths.unsqueeze(2).expand(-1, -1, vocab)) if keep_scores else None
-    return BatchAccepted(paths, lengths, chosen.gather(1, paths), pick(processed), pick(flat))
+    raw = pick(flat)
+    return BatchAccepted(paths, lengths, chosen.gather(1, paths), raw if processed is flat else pick(processed), raw)
 
 
 def runs_on_device(processors: LogitsProcessorList, lefts: list[int]) -> bool:
