@@ -60,7 +60,7 @@ def scripted_budgets(target, head, script: list[int], prompt_lookup: bool | None
             super().__init__(load_curve(target), device_type=target.device.type)
             self.turn, self.batched = 0, []
 
-        def next_budget(self, rows: int = 1) -> int:
+        def next_budget(self, rows: int = 1, call=None) -> int:
             self.turn += 1
             return script[(self.turn - 1) % len(script)]
 

@@ -51,16 +51,16 @@ class Recording(BudgetPolicy):
         super().__init__(load_curve(target), device_type=target.device.type)
         self.script, self.seen = script, []
 
-    def next_budget(self, rows: int = 1) -> int:
+    def next_budget(self, rows: int = 1, call=None) -> int:
         return self.script
 
-    def observe(self, budget, ranks=()) -> None:
+    def observe(self, budget, ranks=(), call=None) -> None:
         self.seen.append((budget, [list(ranks)]))
-        super().observe(budget, ranks)
+        super().observe(budget, ranks, call)
 
-    def observe_rows(self, budget, ranks) -> None:
+    def observe_rows(self, budget, ranks, call=None) -> None:
         self.seen.append((budget, [list(r) for r in ranks]))
-        super().observe_rows(budget, ranks)
+        super().observe_rows(budget, ranks, call)
 
 
 def recording_state(target, head, script: int | None = None) -> tuple[BudgetState, Recording]:

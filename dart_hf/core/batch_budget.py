@@ -102,10 +102,10 @@ def batch_budget(policy, rows: int, drafting_only: bool = False) -> int:
                  drafting_only)
 
 
-def next_batch_budget(policy, rows: int) -> int:
-    """This batched step's budget: `batch_budget`'s choice, or a probe of the other side (module docstring). Call
-    under `policy.lock`."""
-    expected = _expected(policy)
+def next_batch_budget(policy, rows: int, call=None) -> int:
+    """This batched step's budget: `batch_budget`'s choice, or a probe of the other side (module docstring), by the
+    `call`'s acceptance (`budget.CallAcceptance`). Call under `policy.lock`."""
+    expected = _expected(policy, call)
     if expected is None:
         return first_tree(policy, rows)
     times, cands = policy.batch_times, policy.candidates
@@ -272,9 +272,9 @@ def first_tree(policy, rows: int) -> int:
     return fits[-1] if fits else policy.candidates[1]
 
 
-def _expected(policy) -> np.ndarray | None:
-    """E[accepted | n] per candidate (`_lower_bounds`); None before any tree was observed."""
-    expected = policy.expected_accepted()
+def _expected(policy, call=None) -> np.ndarray | None:
+    """E[accepted | n] per candidate (`_lower_bounds`), for `call`; None before any tree was observed."""
+    expected = policy.expected_accepted(call)
     return None if np.isnan(expected[1:]).all() else _lower_bounds(expected)
 
 
