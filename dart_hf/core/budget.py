@@ -354,7 +354,7 @@ class CallBudget:
         else:  # the static step read its ranks with its result; the eager one ranks its paths here
             ranks = path_ranks(trees.ranks(step.paths) if step.ranks is None else step.ranks, lengths)
         if self.held:
-            self.policy.observe_rows(budget, ranks, self.accepted)
+            self.policy.observe_rows(budget, ranks)  # (the held-size rule decides per call: no call counts)
             if self.held_steps:
                 self.policy.observe_held(self.call_rows, budget, self.policy.clock() - self.started)
             self.held_steps += 1
