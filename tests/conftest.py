@@ -50,23 +50,22 @@ CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 def scripted_budgets(target, head, script: list[int], prompt_lookup: bool | None = None):
     """A `BudgetState` whose policy for (`target`, `head`'s prompt lookup) returns the step budgets of `script` in turn
-    (one row or a batch alike) and records every batched step it observes (`.batched`): the cost-aware call's budgets
-    without timing, through the public `dart_budget_state` argument."""
+    (one row or a batch alike) and records every step it observes (`.observed`: (rows, budget)): the cost-aware call's
+    budgets without timing, through the public `dart_budget_state` argument."""
     from dart_hf.core.budget import BudgetPolicy, BudgetState
-    from dart_hf.core.cost import load_curve
 
     class Scripted(BudgetPolicy):
         def __init__(self):
-            super().__init__(load_curve(target), device_type=target.device.type)
-            self.turn, self.batched = 0, []
+            super().__init__()
+            self.turn, self.observed = 0, []
 
         def next_budget(self, rows: int = 1, call=None) -> int:
             self.turn += 1
             return script[(self.turn - 1) % len(script)]
 
-        def observe_batch(self, rows, budget, *rest) -> None:
-            self.batched.append(budget)
-            super().observe_batch(rows, budget, *rest)
+        def observe(self, rows, budget, *rest) -> None:
+            self.observed.append((rows, budget))
+            super().observe(rows, budget, *rest)
 
     state = BudgetState()
     lookup = head.config.prompt_lookup if prompt_lookup is None else prompt_lookup
@@ -76,16 +75,6 @@ def scripted_budgets(target, head, script: list[int], prompt_lookup: bool | None
     for key in state.policies:
         state.policies[key] = scripted
     return state, scripted
-
-
-def informed_policy(curve):
-    """A policy whose acceptance is known: the path holds rank r in (5 - r) of 6 steps (E[1] = .83, E[3] = 2.0)."""
-    from dart_hf.core.budget import BudgetPolicy
-
-    policy = BudgetPolicy(curve, device_type="cpu")
-    for k in range(120):
-        policy.observe(policy.largest, list(range(k % 6)))
-    return policy
 
 
 def word_llama():

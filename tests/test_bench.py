@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import make_head, make_target, prompts
+from dart_hf.core.budget import LADDER
 from dart_hf.tools import bench
 from dart_hf.tools.bench_methods import Method, standard_methods
 from dart_hf.tools.bench_synthetic import run_synthetic
@@ -240,40 +241,95 @@ def test_compiled_rows_equal_plain_and_report_their_ratio_over_compiled_plain(be
     assert "step" not in rows["dart_tree_3"]["phase_ms"]
     warm = results["compile_warmup"]
     assert list(warm) == ["plain_compiled", "dart_compiled_3", "dart_compiled_auto"]
-    auto = rows["dart_compiled_auto"]  # per call, a tree its policy timed in the warm-up, or plain decoding
-    held = {int(k.split("x")[1]) for k in warm["dart_compiled_auto"]["held_step_ms"]}
-    assert auto["baseline"] == "plain_compiled" and set(auto["node_budget_counts"]) <= held and 0 in held, auto
+    auto = rows["dart_compiled_auto"]  # every call at the size its shape took in the warm-up (0: plain decoding)
+    assert auto["baseline"] == "plain_compiled" and set(auto["node_budget_counts"]) <= {0, *LADDER}, auto
     assert all(w["seconds"] >= w["first_call_seconds"] > 0 for w in warm.values())
-    assert warm["plain_compiled"]["calls"] == warm["dart_compiled_3"]["calls"] == 2  # the cost-aware one: more
+    assert all(w["calls"] == 2 for w in warm.values())  # one warm-up call per prompt, the cost-aware one included
     md = (tmp_path / "results.md").read_text()
     assert "| vs generate, static cache + compile |" in md and "| DART, static cache + compile, budget 3 |" in md
     assert "| captured step |" in md and "Those warm-up seconds are not in any tokens/s" in md
-    assert "step ms per held size (rows x nodes; 0: plain decoding) after the warm-up, which its calls choose by: 1x0 " in md
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["datasets"]["x"]["dart_compiled_3"]["speedup_vs_baseline_runs"] == dart["speedup_vs_baseline_runs"]
 
 
-def test_the_compile_warm_up_of_the_cost_aware_method_runs_every_call_at_every_size_its_policy_may_hold(bench_tiny):
-    """A cost-aware compiled call runs the size its policy holds (after trying its neighbours) or plain decoding, so
-    a timed call may run a size its own warm-up call did not: the warm-up repeats the calls until the policy has
-    tried every size it will try, then runs every call at every tree size the policy timed."""
-    from dart_hf.core.batch_budget import held_settled
+def test_the_cost_aware_compiled_method_compiles_only_in_its_warm_up(bench_tiny, monkeypatch):
+    """A cost-aware compiled call holds its shape's size from the shape's first call (`BudgetPolicy.call_budget`),
+    which the compile warm-up makes: the timed passes compile no graph, even where the policy's choice moved after
+    the warm-up (here: steered to 2 nodes by scripted eager steps), and every timed call runs its warm-up size."""
     from dart_hf.core.budget import budget_policy
-    from dart_hf.tools.bench_timing import _compile_warmup
+    from dart_hf.tools import bench_timing
 
     target, head = bench_tiny
-    auto = compiled_methods(3, "dart_compiled_auto")[-1]
-    fixed = []
-    spy = dataclasses.replace(auto, at_budget=lambda b: fixed.append(b) or auto.at_budget(b))
-    calls = [(ids, torch.ones_like(ids)) for ids in prompts(3, seed=4)]
-    gen = dict(do_sample=False, max_new_tokens=8, eos_token_id=None)  # every call long enough to be timed
-    head.budget_state = None
-    warm = _compile_warmup(target, head, calls, [spy], gen, progress=False)["dart_compiled_auto"]
-    policy = budget_policy(head, target)
-    sizes = policy.held_times.trees(1)
-    assert held_settled(policy, 1) and len(sizes) >= 3 and policy.held_times.median(1, 0) is not None, sizes
-    assert fixed == sizes * len(calls), (fixed, sizes)  # every call (3) at every timed size
-    assert warm["calls"] > len(calls) + len(fixed)  # the auto calls passed more than once before settling
+    head.budget_state = None  # a fresh policy
+    standard = {m.name: m for m in standard_methods(fixed_budget=[3], compiled=True, compile_backend="eager")}
+    auto, sizes = standard["dart_compiled_auto"], {}
+
+    def run(t, h, ids, **kw):  # records each call's sizes, per prompt, in call order
+        out = auto.run(t, h, ids, **kw)
+        sizes.setdefault(tuple(ids[0].tolist()), []).append(sorted(set(h.stats.node_budgets)))
+        return out
+
+    graphs, passes, one_pass = torch._dynamo.utils.counters["stats"], [], bench_timing._one_pass
+
+    def timed_pass(*args, **kwargs):
+        if not passes:  # after the warm-up: the one-row choice moves to 2 nodes (plain and 5 nodes dear, 2 cheap)
+            policy = budget_policy(head, target)
+            for _ in range(4):
+                policy.observe(1, 0, [()], 0.05)
+                policy.observe(1, 2, [[0, 1]], 0.01)
+                policy.observe(1, 5, [[0, 1]], 0.05)
+            policy.next_budget(1)
+            passes.append(policy.choice)
+        before = graphs["unique_graphs"]
+        out = one_pass(*args, **kwargs)
+        passes.append(graphs["unique_graphs"] - before)
+        return out
+
+    monkeypatch.setattr(bench_timing, "_one_pass", timed_pass)
+    methods = [standard["plain"], standard["plain_compiled"], dataclasses.replace(auto, run=run)]
+    gen_prompts = prompts(3, seed=4)
+    results = bench.run_bench(target, head, {"x": gen_prompts}, max_new_tokens=8, methods=methods, progress=False,
+                              warmup=False, runs=2)
+    assert results["all_equal"] and graphs["unique_graphs"] > 0  # the warm-up compiled
+    assert passes == [2, 0, 0], passes  # the choice moved to 2; neither timed pass compiled a graph
+    assert len(sizes) == len(gen_prompts)
+    for calls in sizes.values():  # a warm-up call, then one per timed pass, all at the warm-up call's size
+        assert len(calls) == 3 and calls[0] == calls[1] == calls[2] and 2 not in calls[0], sizes
+
+
+def test_hindsight_compares_the_default_with_the_best_fixed_choice():
+    """`bench.hindsight` on synthetic results (no timing): per data set and batch size, eager and compiled apart,
+    the default's speed-up over plain (the median over runs where there is one) against the best of plain decoding
+    (1.0) and every fixed tree size, and their ratio; `hindsight_lines` prints it. `--hindsight` is a bench flag."""
+    from dart_hf.tools.bench_report import hindsight_lines
+
+    rows = {"plain": {"speedup": 1.0}, "dart_tree_auto": {"speedup": 1.3, "speedup_median": 1.2},
+            "dart_tree_auto_no_lookup": {"speedup": 9.0}, "dart_tree_3": {"speedup": 1.5},
+            "dart_tree_8": {"speedup": 1.1}, "dart_tree_60": {"speedup": 0.7}, "prompt_lookup": {"speedup": 9.0},
+            "plain_compiled": {"speedup": 2.0}, "dart_compiled_auto": {"speedup": 3.0, "speedup_vs_baseline": 0.8},
+            "dart_compiled_2": {"speedup": 1.5, "speedup_vs_baseline": 0.75}}
+    [eager, compiled] = bench.hindsight({"datasets": {"x": rows}})
+    assert eager == {"dataset": "x", "rows": 1, "compiled": False, "default": 1.2, "fixed": {3: 1.5, 8: 1.1, 60: 0.7},
+                     "best_budget": 3, "best": 1.5, "default_over_best": pytest.approx(0.8)}
+    assert compiled["compiled"] and compiled["fixed"] == {2: 0.75} and compiled["default"] == 0.8
+    assert (compiled["best_budget"], compiled["best"]) == (0, 1.0)  # compiled plain beats every compiled tree
+    assert compiled["default_over_best"] == pytest.approx(0.8)
+
+    slow = {"plain": {"speedup": 1.0}, "dart_tree_auto": {"speedup": 0.95}, "dart_tree_1": {"speedup": 0.9}}
+    batched = bench.hindsight({"datasets": {}, "batches": {"x": {"1": rows, "8": slow}, "y": {"8": {"plain": {}}}}})
+    assert [(r["dataset"], r["rows"], r["compiled"]) for r in batched] == [("x", 1, False), ("x", 1, True),
+                                                                           ("x", 8, False)]
+    assert batched[0] == eager and (batched[2]["best_budget"], batched[2]["best"]) == (0, 1.0)
+    assert batched[2]["default_over_best"] == pytest.approx(0.95)
+    assert bench.hindsight({"datasets": {"x": {"plain": {"speedup": 1.0}, "dart_tree_3": {"speedup": 2.0}}}}) == []
+
+    lines = hindsight_lines({"hindsight": batched})
+    assert lines[0] == "## The default against the best fixed choice in hindsight"
+    table = [line for line in lines if line.startswith("| x |")]
+    assert len(table) == 3 and "fixed 3: 1.50x" in table[0] and "**0.80**" in table[0]
+    assert "plain: 1.00x" in table[2] and "**0.95**" in table[2]
+    assert hindsight_lines({"hindsight": []}) == []
+    assert parse("--hindsight").hindsight and not parse().hindsight
 
 
 def test_compiled_flags_and_method_selection():

@@ -134,7 +134,7 @@ def test_cli_sampled_run_writes_settings_and_exits_0(bench_tiny, tmp_path, monke
     monkeypatch.setattr(demo, "load_target_and_head", lambda *a, **k: (target, None, head))
     monkeypatch.setattr(datasets, "eval_prompts", lambda tokenizer, ds, n: prompts(n, seed=3))
     status = bench.main(parse("--qwen3-sampling", "--n", "1", "--datasets", "humaneval", "--max-new-tokens", "6",
-                              "--methods", "plain", "dart_tree_3", "--budget", "3", "--no-calibrate", "--no-warmup",
+                              "--methods", "plain", "dart_tree_3", "--budget", "3", "--no-warmup",
                               "--out", str(tmp_path)))
     assert status == 0
     saved = json.loads((tmp_path / "results.json").read_text())

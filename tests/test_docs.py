@@ -133,3 +133,58 @@ def test_checker_catches_stale_names(tmp_path):
     names = {n for n in _dotted_names(doc) if not _resolves(n)}
     assert paths == {"dart_hf/prompt_lookup.py", "cost_model.py"}
     assert names == {"dart_hf.core.nothing", "dart_hf.DartHead.node_budget_for"}
+
+
+# ------------------------------------------------------------------------------------------- README size and links
+README_LIMIT = 15_000  # bytes: what a user reads first fits a screen or two; reference material lives in docs/
+HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation but `-` and `_` dropped, spaces to `-`, a
+    repeated heading numbered (`-1`, `-2`, ...)."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in HEADING.findall(FENCE.sub("", doc.read_text(encoding="utf-8"))):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def _broken_anchors(doc: Path) -> list[str]:
+    broken = []
+    for link in LINK.findall(FENCE.sub("", doc.read_text(encoding="utf-8"))):
+        if "://" in link or "#" not in link:
+            continue
+        target, anchor = link.split("#", 1)
+        page = (doc.parent / target).resolve() if target else doc
+        if page.suffix == ".md" and page.exists() and anchor not in _anchors(page):
+            broken.append(link)
+    return broken
+
+
+def test_readme_fits_its_limit():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_LIMIT, f"README.md is {size} bytes (limit {README_LIMIT}): move reference text to docs/"
+
+
+def test_readme_links_every_docs_page():
+    links = {t.split("#")[0] for t in LINK.findall((ROOT / "README.md").read_text(encoding="utf-8"))}
+    unlinked = sorted(p.name for p in (ROOT / "docs").glob("*.md") if f"docs/{p.name}" not in links)
+    assert not unlinked, f"README.md links no docs page {unlinked}: a user cannot find them"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_doc_link_anchors_resolve(doc):
+    broken = _broken_anchors(doc)
+    assert not broken, f"{doc.relative_to(ROOT)} links headings that do not exist: {broken}"
+
+
+def test_anchor_checker_catches_a_moved_heading(tmp_path):
+    (tmp_path / "B.md").write_text("# Static cache + `torch.compile` on both sides\n## Run a head without dart_hf\n## Run\n## Run\n")
+    doc = tmp_path / "A.md"
+    doc.write_text("## Sampling\n[a](#sampling) [b](#limits) [c](B.md#static-cache--torchcompile-on-both-sides) "
+                   "[d](B.md#run-a-head-without-dart_hf) [e](B.md#run-1) [f](B.md#node-budget) [g](https://x.org/#y)\n"
+                   "```\n# not a heading\n```\n[h](#not-a-heading)\n")
+    assert _broken_anchors(doc) == ["#limits", "B.md#node-budget", "#not-a-heading"]

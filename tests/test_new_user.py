@@ -4,7 +4,7 @@ faked where a check depends on it.
 - `dart-hf demo` on a busy CPU: the contention is found before timing and the demo runs torch on the cores left free
   (saying so, restoring the count after), prints each pair as it ends and a speed-up that is the quotient of the
   speeds it prints; `--time-limit` stops it early with what it measured; `choose_threads` is the rule bench can reuse.
-- `dart-hf calibrate --threads N` measures the curve for N threads and says that a curve is per thread count.
+- `dart-hf calibrate` is no longer a command (the size rule times its own steps): an argparse error, exit 2.
 - `generate(assistant_model=<str>)`: a head's folder decodes; anything else fails at once with a ValueError that says
   what the string names (a file, a folder without or with a broken config.json, a causal LM, a missing path, an
   unreachable or offline Hub repo: one request, no retries); in a pipeline a causal LM's folder still goes to
@@ -33,8 +33,7 @@ from transformers import pipeline
 
 import dart_hf
 from conftest import make_head, make_word_tokenizer, prompts, word_llama
-from dart_hf.tools import calibrate as calibration
-from dart_hf.tools import demo
+from dart_hf.tools import demo, machine
 from dart_hf_cli import main as cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -58,14 +57,14 @@ def head_folder(tmp_path) -> Path:
     return tmp_path / "head"
 
 
-def cpu_use(other_cores: float | None, cores: int = 2, load_average: float = 0.5) -> calibration.CpuUse:
+def cpu_use(other_cores: float | None, cores: int = 2, load_average: float = 0.5) -> machine.CpuUse:
     """A `CpuUse` reading as `other_cpu_use` would return it, with the numbers given."""
-    use = calibration.CpuUse()
+    use = machine.CpuUse()
     use.other_cores, use.cores, use.load_average = other_cores, cores, load_average
     return use
 
 
-class BusyDuringTiming(calibration.CpuUse):
+class BusyDuringTiming(machine.CpuUse):
     """`CpuUse` around the timed runs that always finds one of two cores taken by another process."""
 
     def __exit__(self, *exc) -> None:
@@ -74,18 +73,18 @@ class BusyDuringTiming(calibration.CpuUse):
 
 # ---------------------------------------------------------------------------------------------------- the demo
 def test_choose_threads_leaves_the_busy_cores_to_their_processes(threads):
-    idle = calibration.choose_threads(probe=lambda: cpu_use(0.1))
+    idle = machine.choose_threads(probe=lambda: cpu_use(0.1))
     assert (idle.threads, idle.default, idle.busy) == (2, 2, None) and "looked idle" in idle.reason
-    busy = calibration.choose_threads(probe=lambda: cpu_use(1.0))
+    busy = machine.choose_threads(probe=lambda: cpu_use(1.0))
     assert (busy.threads, busy.default) == (1, 2)
     assert "using 1.0 of the 2 cores" in busy.busy and "--threads 2" in busy.reason
-    assert calibration.choose_threads(probe=lambda: cpu_use(1.2, cores=16)).threads == 2  # torch's 2 fit in 15 free
+    assert machine.choose_threads(probe=lambda: cpu_use(1.2, cores=16)).threads == 2  # torch's 2 fit in 15 free
     torch.set_num_threads(16)
-    assert calibration.choose_threads(probe=lambda: cpu_use(1.2, cores=16)).threads == 15
-    assert calibration.choose_threads(probe=lambda: cpu_use(3.0, cores=2)).threads == 1  # at least one
-    no_proc_stat = calibration.choose_threads(probe=lambda: cpu_use(None, load_average=5.0))
+    assert machine.choose_threads(probe=lambda: cpu_use(1.2, cores=16)).threads == 15
+    assert machine.choose_threads(probe=lambda: cpu_use(3.0, cores=2)).threads == 1  # at least one
+    no_proc_stat = machine.choose_threads(probe=lambda: cpu_use(None, load_average=5.0))
     assert no_proc_stat.threads == 1 and "load average" in no_proc_stat.busy
-    asked = calibration.choose_threads(3, probe=lambda: pytest.fail("an explicit count needs no probe"))
+    asked = machine.choose_threads(3, probe=lambda: pytest.fail("an explicit count needs no probe"))
     assert asked.threads == 3 and "--threads" in asked.reason
     assert torch.get_num_threads() == 16  # choosing changes nothing: the command sets the count
 
@@ -97,7 +96,7 @@ def _printed(out: str, label: str) -> str:
 def test_demo_on_a_busy_cpu_picks_its_threads_before_timing_and_says_so(target_folder, head_folder, threads,
                                                                          monkeypatch, capsys):
     seen = []
-    monkeypatch.setattr(calibration, "other_cpu_use", lambda: cpu_use(1.0))  # another process on one of 2 cores
+    monkeypatch.setattr(machine, "other_cpu_use", lambda: cpu_use(1.0))  # another process on one of 2 cores
     monkeypatch.setattr(demo, "CpuUse", BusyDuringTiming)
     original = demo.interleaved_runs
 
@@ -125,7 +124,7 @@ def test_demo_on_a_busy_cpu_picks_its_threads_before_timing_and_says_so(target_f
 
 
 def test_demo_stops_at_its_time_limit_with_what_it_measured(target_folder, head_folder, monkeypatch, capsys):
-    monkeypatch.setattr(calibration, "other_cpu_use", lambda: cpu_use(0.0))
+    monkeypatch.setattr(machine, "other_cpu_use", lambda: cpu_use(0.0))
     status = cli(["demo", "--target", str(target_folder), "--head", str(head_folder), "--prompt", "w3 w14",
                   "--max-new-tokens", "40", "--repeats", "50", "--time-limit", "0.01"])
     out = capsys.readouterr().out
@@ -149,18 +148,10 @@ def test_demo_progress_says_how_far_a_slow_run_is(capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- calibrate
-def test_calibrate_measures_for_the_thread_count_asked_and_says_a_curve_is_per_count(target_folder, threads,
-                                                                                     capsys):
-    status = cli(["calibrate", str(target_folder), "--threads", "1", "--sizes", "1,2", "--repeats", "1",
-                  "--past-len", "8", "--max-seconds", "20"])
-    out = capsys.readouterr().out
-    assert status == 0 and torch.get_num_threads() == 2
-    stored = json.loads(Path(re.search(r"stored in (\S+\.json)", out).group(1)).read_text())
-    assert stored["key"]["device_name"].endswith("-1threads")
-    assert "applies to processes that decode on 1 torch thread(s)" in out
-    assert f"dart-hf calibrate {target_folder} --threads N" in out
-    with pytest.raises(SystemExit, match="--threads must be >= 1"):
-        cli(["calibrate", str(target_folder), "--threads", "0"])
+def test_calibrate_is_no_longer_a_command(target_folder, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli(["calibrate", str(target_folder)])
+    assert exit_.value.code == 2 and "invalid choice: 'calibrate'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------- assistant_model

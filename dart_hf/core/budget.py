@@ -1,94 +1,71 @@
-"""Cost-aware node budget: per step, the budget B with the most expected tokens per second,
-(1 + E[accepted | B]) / T(B), over {0} + {calibrated tree sizes - 1}; B = 0 is plain decoding (no head, no search).
-Knobs: `BudgetKnobs`; the rule: `BudgetPolicy`; batched steps: `dart_hf.core.batch_budget`.
+"""The node budget (tree size) of each step: one rule for one row and batches, greedy and sampled, that measures
+itself. Per step, the size B of `LADDER` (or 0, plain decoding) with the most expected tokens per second,
+(1 + E[accepted | B]) / T(B), for the step's batch bucket (`drafter.batch_bucket` of the active rows):
 
-E[accepted | B], counterfactually: the budget-B' tree (B' < B) is the best B' nodes by score of the budget-B tree,
-closed under ancestors, so it would have accepted #{path score ranks < B'} draft tokens (exact for greedy, an
-estimate under sampling). Counts decay (`half_life` steps). A call leans on its own counts as they come
-(`CallAcceptance`): acceptance depends on the text, so a chat call after a run of code calls must not draft on by
-code's acceptance.
+- E[accepted | B], counterfactually: the budget-B' tree (B' < B) is the best B' nodes by score of the budget-B tree,
+  closed under ancestors, so it would have accepted #{path score ranks < B'} draft tokens (exact for greedy, an
+  estimate under sampling). Counts decay (`half_life` steps); a call leans on its own counts as they come
+  (`CallAcceptance`): acceptance depends on the text.
+- T(B): the median of this process's whole-step times at B in this bucket's last `window` steps (of its last 3
+  where fewer of those ran it: a load shows as it happens), each step timed from the rule's choice to the step's
+  host read (a tree after plain steps is run twice and timed the second time: the first has its head catch up on
+  the skipped positions). A size not yet timed is priced on the line through the timed ones (plain decoding
+  included: cheap below the smallest tree, as it leaves out the drafting cost); the next size above the largest
+  timed tree at that tree's time, the ones beyond along the last segment: no stored curve, no calibration. A price
+  that is too cheap gets probed and corrected.
 
-T(B): the median of this run's whole-step times at B in the last `window` steps (a load shows as it happens); for a
-B that ran fewer than `probe_window` of them (run only as a probe), of its last `probe_window` times within `max_age`
-steps (a time measured under another load expires): probes come one every few dozen steps, so a window of 9 would
-price it for ~100 steps by the load it last ran under (a slow spell kept a 4-node tree priced 10% dear, and plain
-decoding chosen, for ~50 steps). Which B is the choice does not change its price (`_recent`). An
-untimed tree size is priced from the nearest timed one A through the verify curve (`dart_hf.core.cost`) at the
-cheaper of T(A) + c(B + 1) - c(A + 1) and T(A) * c(B + 1) / c(A + 1): a load may add to every step or scale it,
-and a price too cheap gets timed and corrected, while one too dear is never timed again. Plain decoding is timed,
-never priced (its last times stand until a probe replaces them), and when no tree has recent times the older ones
-stand.
+Exploration: the probe is the size with the most tokens per second at an upper bound of E (one standard error; past
+the largest size ever drafted, the acceptance rate of its last rank continues). It runs when the credit covers its
+loss priced at that bound (at least a tenth of a step at the choice: a probe at most every 5 steps), and what it
+then loses or wins, its measured time against its E (this step counted) at the choice's seconds per token, is taken
+from the credit. The credit grows by `probe_share` of the time spent at the choice, up to 8 steps: what exploration
+loses stays within about `probe_share` of the time, whatever the prices said. So where no tree pays, the rule runs
+plain decoding and probes now and then; where a larger tree pays (a GPU, whose verify costs about the same up to
+dozens of tokens), it climbs the ladder, each probe that wins paying for the next. The first steps of a bucket:
+plain decoding once, then `START` (or another bucket's choice). Measured on scripted CPU and GPU step times
+(`tests/test_budget.py`): 0.955-0.99x the best of plain decoding and every fixed size in hindsight, exploration
+included.
 
-Steps that are not the choice: the first `warmup_steps` run the largest candidate (it informs every smaller one);
-plain decoding runs once; then probes, in turn the candidate above the choice, the runner-up tree and plain decoding
-(the best tree when plain is the choice). A probe waits until `probe_share` of the time at the choice since the last
-probe exceeds its expected loss, so close alternatives are probed often and clearly worse ones rarely. The loss is
-priced optimistically, at E[accepted] plus `explore` standard errors: priced at E alone, a tree 10% ahead of plain
-decoding whose first steps accepted little was probed so rarely that 7 of 20 simulated runs kept plain decoding to
-the end (2 of 20 with the optimism; `test_budget.close_race`). Plain decoding
-here is exactly the step plain `generate` runs (one token, the target's stock kernels), so the rule never prices
-trees against a slower baseline.
+A call held at one size for all its steps (the static step, a compiled graph per size) takes its shape's size at
+that shape's first call, and keeps it: a compile never happens inside a later call (`BudgetPolicy.call_budget`).
 
-One policy may serve several calls at once (threads sharing a head): its statistics are guarded by a lock, and each
-thread times its own step.
-
-Without a curve (`dart-hf calibrate` not run for this target, device, dtype and versions) the candidates are plain
-decoding and one tree, `no_curve_budget` (CPU) or `no_curve_budget_gpu`, with a one-line hint (a `UserWarning` at the
-user's own line, which Python's default filter shows once per line: no flag of ours).
-A call held at one size (the static step) goes by its own measured times instead (`batch_budget.held_budget`).
+One policy may serve several calls at once (threads sharing a head): its statistics are guarded by a lock; each call
+times its own steps (`CallBudget`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
-import sys
 import threading
 import time
-import warnings
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import transformers
-from transformers import LogitsProcessor
 
-from .batch_budget import BatchTimes, HeldTimes, held_budget, next_batch_budget
-from .cost import VerifyCost, cost_file, cost_key, load_curve, nearest_size
 from .distributed import shared_budget, tensor_parallel_group
+from .drafter import batch_bucket
 from .stats import PhaseTimer
 from .tree import DraftTrees
 
+LADDER = (1, 2, 3, 5, 8, 13, 21, 34, 60)  # the tree sizes (nodes besides the root) a step may take; 0: plain decoding
+START = 5  # a bucket's first tree, where no other bucket has a choice yet: it informs the acceptance of every smaller
+# size, and the ladder climbs from it where larger trees pay
 
-@dataclass
-class BudgetKnobs:
-    max_budget: int = 95  # largest candidate tree (nodes besides the root)
-    warmup_steps: int = 3  # first steps of a policy, at the largest candidate
-    probe_share: float = 0.01  # a probe's expected loss, as a share of the time since the last probe
-    explore: float = 0.5  # a probe's loss is priced at E[accepted] + explore standard errors
-    window: int = 9  # the last steps whose times price a budget (median)
-    probe_window: int = 3  # ... or its last times, where fewer of those steps ran it (median)
-    max_age: int = 64  # steps after which a step time expires
-    half_life: float = 256.0  # steps; discount of the acceptance counts
-    call_prior: float = 8.0  # a call's own tree steps (per row) that weigh as much as the shared counts
-    no_curve_budget: int = 3  # the tree size without a calibrated curve, CPU
-    no_curve_budget_gpu: int = 31  # ... on other devices (a verify costs about the same up to ~64 tokens)
-    batch_window: int = 8  # recent batched steps whose verify time sets the curve's scale (median)
-    batch_margin: float = 0.1  # a batch drafts only when a tree promises this much more than plain decoding
+# the rule's four knobs (private): probe_share, window, half_life, call_prior
+_PROBE_SHARE = 0.02  # what probes may lose, as a share of the time spent at the choice
+_WINDOW = 9  # the last step times of a size that price it (median)
+_HALF_LIFE = 256.0  # steps; discount of the shared acceptance counts
+_CALL_PRIOR = 8.0  # a call's own tree steps (per row) that weigh as much as the shared counts
 
 
 class CallAcceptance:
     """One call's own acceptance counts, beside its policy's shared ones: inc[b] / obs[b] as in `BudgetPolicy`, over
     the call's rows' tree steps, undiscounted. E[accepted | B] for the call blends the two per score rank, the shared
-    rate weighing as `call_prior` of the call's steps (or as its own count, where that is smaller): before the call's
-    first tree it is the shared estimate, after `call_prior` trees half the call's own. Why: acceptance depends on the
-    text. On an Intel Xeon VM (family 6 model 167, 2 threads), sampled at T 0.7, a 3-node tree step took 1.8x a plain
-    step and paid on HumanEval prompts but not on ShareGPT ones (0.55 draft tokens accepted); the shared counts, which
-    every call feeds, change by half in 256 steps, so ShareGPT calls after HumanEval calls kept drafting by
-    HumanEval's acceptance (0.87x plain decoding's speed against 0.98x for the same calls on a fresh policy)."""
+    rate weighing as `_CALL_PRIOR` of the call's steps (or as its own count, where that is smaller). Why: acceptance
+    depends on the text. On an Intel Xeon VM (2 threads), sampled at T 0.7, ShareGPT calls after HumanEval calls
+    kept drafting by HumanEval's acceptance with shared counts alone (0.87x plain decoding against 0.98x)."""
 
     def __init__(self, size: int):
         self.inc, self.obs = np.zeros(size), np.zeros(size)
@@ -101,214 +78,205 @@ def path_ranks(ranks: torch.Tensor, lengths: Sequence[int]) -> list[list[int]]:
     return [r[: n - 1] for r, n in zip(ranks.tolist(), lengths)]
 
 
-class BudgetPolicy:
-    """Chooses each step's node budget (see the module docstring). `clock`: seconds, for the step times."""
+class _Bucket:
+    """What steps of one batch bucket measured: step seconds per size, the probes' credit and pacing."""
 
-    def __init__(self, curve: VerifyCost | None, knobs: BudgetKnobs | None = None, device_type: str = "cpu",
-                 clock: Callable[[], float] = time.perf_counter):
-        self.curve, self.knobs, self.clock = curve, knobs or BudgetKnobs(), clock
-        k = self.knobs
-        if curve is None:
-            trees = [k.no_curve_budget if device_type == "cpu" else k.no_curve_budget_gpu]
-        else:
-            trees = [n - 1 for n in curve.sizes if 2 <= n <= k.max_budget + 1] or [k.no_curve_budget]
-        self.candidates = [0, *sorted(set(trees))]
-        self.largest = self.candidates[-1]
-        self.decay = 0.5 ** (1.0 / k.half_life)
-        self._verify = {} if curve is None else dict(zip(self.candidates, curve(np.add(self.candidates, 1.0))))
-        # every size up to max_budget: a held call may try sizes besides the candidates (`batch_budget.held_budget`)
-        self.inc = np.zeros(k.max_budget + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
-        self.obs = np.zeros(k.max_budget + 1)  # obs[b]: (discounted) steps whose budget was >= b
-        self.times = {b: deque(maxlen=k.window) for b in self.candidates}
-        self.batch_times = BatchTimes(self)  # what batched steps measured (`batch_budget`)
-        self.steps = 0
-        self.choice = self.largest
+    def __init__(self):
+        self.times: dict[int, deque] = {}  # size -> (step, seconds) of its last `_WINDOW` timed steps
+        self.steps = 0  # timed steps of this bucket
+        self.choice: int | None = None
+        self.credit = 0.0  # seconds a probe may lose (`_PROBE_SHARE` of the time at the choice)
+        self.probe: tuple[int, float, int] | None = None  # the probe under way: size, seconds per token at the
+        # choice, steps left
+
+    def median(self, size: int) -> float | None:
+        """The median of the size's times in the last `_WINDOW` steps, or of its last 3 where fewer of those ran it (a
+        size run only as a probe is priced by its last probes, not by a load long gone)."""
+        times = self.times.get(size)
+        if not times:
+            return None
+        recent = [t for i, t in times if self.steps - i < _WINDOW]
+        return statistics.median(recent if len(recent) >= 3 else [t for _, t in list(times)[-3:]])
+
+
+class BudgetPolicy:
+    """Chooses each step's node budget (see the module docstring). `sizes`: the tree sizes it may take (default
+    `LADDER`); `clock`: seconds, for the step times."""
+
+    def __init__(self, sizes: Sequence[int] = LADDER, clock: Callable[[], float] = time.perf_counter):
+        self.candidates = [0, *sorted(set(int(s) for s in sizes if s > 0))]
+        self.clock = clock
+        self.decay = 0.5 ** (1.0 / _HALF_LIFE)
+        largest = self.candidates[-1]
+        self.inc = np.zeros(largest + 1)  # inc[b]: (discounted) steps whose path held the node of rank b - 1
+        self.obs = np.zeros(largest + 1)  # obs[b]: (discounted) steps whose budget was >= b
+        self.buckets: dict[int, _Bucket] = {}
+        self.held: dict[tuple, int] = {}  # a held call's shape -> its size (`call_budget`)
+        self.steps = 0  # steps observed
         self.lock = threading.RLock()  # calls in several threads may share this policy
-        self._step = threading.local()  # each thread's step start (`start`)
-        self._since_probe = 0.0  # seconds of steps at the choice since the last probe
-        self._probing = False
-        self._probe_turn = 0  # which probe comes next: above the choice, the runner-up, plain decoding
-        self.held_sizes: dict[int, int] = {}  # rows -> the tree calls held at one size hold now (`held_budget`)
-        self.held_times = HeldTimes(k.window)  # what calls held at one size measured (`batch_budget.held_budget`)
+
+    @property
+    def choice(self) -> int:
+        """The one-row choice so far (`START` before one): a call that takes one size for all its steps uses it."""
+        chosen = self.buckets.get(1)
+        return START if chosen is None or chosen.choice is None else chosen.choice
 
     # -- observing
-    def start(self) -> None:
-        """This thread's step begins (its time runs until this thread's `observe`)."""
-        self._step.started = self.clock()
-
-    def observe(self, budget: int, ranks: Sequence[int] = (), call: CallAcceptance | None = None) -> None:
-        """The step at `budget` ended; `ranks`: its accepted path's score ranks (`path_ranks`; none at budget 0),
-        counted for the policy and for the `call`."""
-        started = getattr(self._step, "started", None)
-        seconds = self.clock() - started if started is not None else None
-        self._step.started = None
+    def observe(self, rows: int, budget: int, ranks: Sequence[Sequence[int]], seconds: float | None,
+                call: CallAcceptance | None = None, priced: bool = True) -> None:
+        """A step of `rows` active rows at `budget` ended after `seconds` (None: not timed); `ranks`: each row's
+        accepted path's score ranks (`path_ranks`; none at budget 0), counted for the policy and for the `call`.
+        `priced`: the time prices its size (not a tree's first step after plain steps, whose head caught up)."""
         with self.lock:
-            self._record(budget, [ranks], seconds, call)
+            self.steps += 1
+            if budget > 0:
+                self._count(budget, ranks, call)
+            if seconds is None:
+                return
+            state = self.buckets.setdefault(batch_bucket(rows), _Bucket())
+            if priced:
+                state.steps += 1
+                state.times.setdefault(budget, deque(maxlen=_WINDOW)).append((state.steps, seconds))
+            if budget == state.choice and state.probe is None:
+                state.credit = min(state.credit + _PROBE_SHARE * seconds, 8 * seconds)
+            elif state.probe is not None and state.probe[0] == budget:  # what the probe lost, or won, measured
+                size, per_token, steps = state.probe  # (tokens at the size's E with this step counted: one path's
+                accepted = float(np.nan_to_num(self.expected_at([size], call)[0]))  # length is too noisy a price)
+                state.credit -= seconds - (1.0 + accepted) * per_token
+                state.probe = (size, per_token, steps - 1) if steps > 1 else None
 
-    def observe_batch(self, rows: int, budget: int, tokens: int, verify_seconds: float, draft_seconds: float,
-                      steady: bool, ranks: Sequence[Sequence[int]], call: CallAcceptance | None = None) -> None:
-        """A batched step ended: what it measured for the batch rule (`BatchTimes.observe`) and each row's acceptance
-        (`observe_rows`)."""
-        with self.lock:
-            self.batch_times.observe(rows, budget, tokens, verify_seconds, draft_seconds, steady=steady)
-        self.observe_rows(budget, ranks, call)
-
-    def observe_rows(self, budget: int, ranks: Sequence[Sequence[int]], call: CallAcceptance | None = None) -> None:
-        """A batched step at `budget` ended: every row's accepted path's score ranks (none at budget 0). Each row is an
-        acceptance observation; the step counts once for the ages of the step times, and gives none (a batched step
-        is not a single-row step time: `batch_budget` keeps what it measured)."""
-        with self.lock:
-            self._record(budget, ranks, None, call)
-
-    def _record(self, budget: int, rows_ranks: Sequence[Sequence[int]], seconds: float | None,
-                call: CallAcceptance | None = None) -> None:
-        self.steps += 1
-        if budget > 0:
-            b = min(int(budget), len(self.obs) - 1)
-            for ranks in rows_ranks:
-                ranks = np.asarray(ranks, dtype=np.int64).reshape(-1)
-                self.inc *= self.decay
-                self.obs *= self.decay
-                for counts in (self, call) if call is not None else (self,):
-                    np.add.at(counts.inc, ranks[ranks < b] + 1, 1.0)
-                    counts.obs[1 : b + 1] += 1.0
-        if seconds is not None and budget in self.times:
-            self.times[budget].append((self.steps, seconds))
-            self._since_probe += 0.0 if self._probing else seconds
-
-    def observe_held(self, rows: int, size: int, seconds: float) -> None:
-        """A step of a call of `rows` rows held at `size` (0: plain decoding, a call's mean step) took `seconds`."""
-        with self.lock:
-            self.held_times.observe(rows, size, seconds)
+    def _count(self, budget: int, rows_ranks: Sequence[Sequence[int]], call: CallAcceptance | None) -> None:
+        b = min(int(budget), len(self.obs) - 1)
+        for ranks in rows_ranks:
+            ranks = np.asarray(ranks, dtype=np.int64).reshape(-1)
+            self.inc *= self.decay
+            self.obs *= self.decay
+            for counts in (self, call) if call is not None else (self,):
+                np.add.at(counts.inc, ranks[ranks < b] + 1, 1.0)
+                counts.obs[1 : b + 1] += 1.0
 
     # -- estimates
-    def expected_accepted(self, call: CallAcceptance | None = None) -> np.ndarray:
-        """E[accepted draft tokens | B] per candidate (0 for plain decoding; nan where never observed), for `call`."""
-        return self.expected_at(self.candidates, call)
-
     def expected_at(self, sizes: Sequence[int], call: CallAcceptance | None = None) -> np.ndarray:
         """E[accepted draft tokens | B] at each of `sizes` (0 for plain decoding; nan where never observed), blended
         with the `call`'s own counts (`CallAcceptance`)."""
-        inc, obs = self.inc, self.obs
-        if call is not None:
-            prior = np.minimum(self.knobs.call_prior, obs) / np.maximum(obs, 1e-12)  # the shared counts, scaled
-            inc, obs = prior * inc + call.inc, prior * obs + call.obs
+        inc, obs = self._counts(call)
         rate = np.divide(inc, obs, out=np.zeros_like(inc), where=obs > 0)
         sizes = np.asarray(sizes, dtype=np.int64)
         return np.where((obs[sizes] > 0) | (sizes == 0), np.cumsum(rate)[sizes], np.nan)
 
-    def step_seconds(self) -> np.ndarray:
-        """T(B) per candidate, as the module docstring says (nan: nothing to go by)."""
-        fresh = {b: [(i, s) for i, s in self.times[b] if self.steps - i < self.knobs.max_age] for b in self.candidates}
-        if not any(fresh[b] for b in self.candidates[1:]):  # no recent tree: older times stand
-            fresh.update({b: list(self.times[b]) for b in self.candidates[1:]})
-        if not fresh[0]:  # plain decoding's last times stand until a probe replaces them (it is never priced)
-            fresh[0] = list(self.times[0])
-        timed = {b: statistics.median(self._recent(t)) for b, t in fresh.items() if t}
+    @staticmethod
+    def _lower_bounds(expected: np.ndarray) -> np.ndarray:
+        """`expected` (at ascending sizes) where a size past every observed one takes the largest observed one's (a
+        larger tree holds the smaller one); 0 before any tree."""
+        known = ~np.isnan(expected)
+        last = np.maximum.accumulate(np.where(known, np.arange(len(expected)), 0))
+        return np.nan_to_num(expected[last], nan=0.0)
+
+    def _counts(self, call: CallAcceptance | None) -> tuple[np.ndarray, np.ndarray]:
+        if call is None:
+            return self.inc, self.obs
+        prior = np.minimum(_CALL_PRIOR, self.obs) / np.maximum(self.obs, 1e-12)  # the shared counts, scaled
+        return prior * self.inc + call.inc, prior * self.obs + call.obs
+
+    def hoped_at(self, sizes: Sequence[int], call: CallAcceptance | None = None) -> np.ndarray:
+        """An upper bound of E[accepted | B] at `sizes`: E plus one standard error, sqrt((1 + E) / n) over the n
+        (discounted) observations of rank B (an accepted length's spread grows with its mean); past the largest
+        rank ever drafted, its acceptance rate continues (ranks are in score order, so later ones accept no more).
+        nan before any tree; plain decoding's 0 is exact."""
+        inc, obs = self._counts(call)
+        seen = np.flatnonzero(obs > 0)
+        if len(seen) <= 1:
+            return np.where(np.asarray(sizes) == 0, 0.0, np.nan)
+        last = int(seen[-1])
+        rate = np.divide(inc, obs, out=np.zeros_like(inc), where=obs > 0)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        at = np.minimum(sizes, last)
+        expected = np.cumsum(rate)[at] + rate[last] * (sizes - at)
+        spread = np.sqrt((1.0 + expected) / np.maximum(obs[at], 1e-3))
+        return np.where(sizes == 0, 0.0, expected + spread)
+
+    def prices(self, rows: int) -> np.ndarray:
+        """T(B) per candidate for a step of `rows` rows: measured, or on the line through the measured sizes (module
+        docstring); nan where nothing is measured to go by."""
+        state = self.buckets.get(batch_bucket(rows))
+        timed = {} if state is None else {b: state.median(b) for b in state.times}
+        points = sorted((b, t) for b, t in timed.items() if t is not None)
         out = np.full(len(self.candidates), np.nan)
-        for i, b in enumerate(self.candidates):
-            if b in timed:
-                out[i] = timed[b]
-                continue
-            trees = [a for a in timed if a > 0]
-            if b > 0 and self.curve is not None and trees:
-                a = nearest_size(trees, b)
-                va, vb = self._verify[a], self._verify[b]
-                out[i] = max(min(timed[a] + vb - va, timed[a] * vb / va if va > 0 else np.inf), 1e-6)
+        if not any(b > 0 for b, _ in points):
+            out[0] = timed.get(0) if timed.get(0) is not None else np.nan
+            return out
+        xs, ys = np.array([b for b, _ in points], float), np.array([t for _, t in points], float)
+        sizes = np.asarray(self.candidates, float)
+        out = np.interp(sizes, xs, ys)  # past the largest timed tree: its time, for the next size up (to be timed)
+        above = [i for i, b in enumerate(self.candidates) if b > xs[-1]]
+        if len(above) > 1:  # ... and beyond that along the last segment (between timed trees where two are)
+            trees = xs > 0
+            last = (xs[trees][-2:], ys[trees][-2:]) if trees.sum() >= 2 else (xs[-2:], ys[-2:])
+            slope = max((last[1][-1] - last[1][0]) / (last[0][-1] - last[0][0]), 0.0) if len(last[0]) == 2 else 0.0
+            out[above[1:]] = ys[-1] + slope * (sizes[above[1:]] - xs[-1])
+        if 0 not in timed:
+            out[0] = np.nan
         return out
-
-    def _recent(self, times: list[tuple[int, float]]) -> list[float]:
-        """The times a budget is priced by: those of the last `window` steps, or where fewer than `probe_window` of
-        its steps ran in them (a budget run only as a probe), its last `probe_window`. What the data holds decides,
-        not which budget is the choice: priced by its last 9 times as the choice and by its last 3 otherwise, a
-        budget's price changed with the choice itself, and on a 2-core CPU (sampling, the tree ~10% behind plain
-        decoding) the choice flipped between plain decoding and a 3-node tree at every step for runs of 10 steps."""
-        recent = [s for i, s in times if self.steps - i < self.knobs.window]
-        return recent if len(recent) >= self.knobs.probe_window else [s for _, s in times[-self.knobs.probe_window:]]
-
-    def tokens_per_second(self) -> np.ndarray:
-        return (1.0 + self.expected_accepted()) / self.step_seconds()
-
-    def best(self, tps: np.ndarray | None = None, drafting_only: bool = False) -> int:
-        """The candidate with the most expected tokens per second (the largest before anything is known)."""
-        tps = self.tokens_per_second() if tps is None else tps.copy()
-        if drafting_only:
-            tps[0] = np.nan
-        return self.largest if np.all(np.isnan(tps)) else self.candidates[int(np.nanargmax(tps))]
 
     # -- choosing
     def next_budget(self, rows: int = 1, call: CallAcceptance | None = None) -> int:
-        """The next step's budget, for one row (this rule) or a batch of `rows` (`batch_budget.next_batch_budget`), by
-        the `call`'s acceptance (`CallAcceptance`)."""
+        """The next step's budget for `rows` active rows, by the `call`'s acceptance (`CallAcceptance`)."""
         with self.lock:
-            if rows > 1:
-                return next_batch_budget(self, rows, call)
-            if self.steps < self.knobs.warmup_steps:
-                return self.largest
-            e = self.expected_accepted(call)
-            t = self.step_seconds()
-            if np.isnan(t[0]):  # plain decoding is timed once before anything is chosen
+            state = self.buckets.setdefault(batch_bucket(rows), _Bucket())
+            if state.median(0) is None:  # plain decoding is timed once first
                 return 0
-            tps = (1.0 + e) / t
-            self.choice = self.best(tps)
-            probe = self._probe(tps)
-            i = self.candidates.index(probe)
-            loss = t[i] - (1.0 + self._hope(probe, e[i])) / tps[self.candidates.index(self.choice)]  # beyond the choice
-            self._probing = self._since_probe * self.knobs.probe_share > (float(loss) if np.isfinite(loss) else 0.0)
-            if self._probing:
-                self._since_probe = 0.0
-                self._probe_turn += 1
-                return probe
-            return self.choice
+            prices = self.prices(rows)
+            if np.isnan(prices[1:]).all():
+                return self._first_tree()
+            expected = self._lower_bounds(self.expected_at(self.candidates, call))
+            tps = (1.0 + expected) / prices
+            state.choice = self.candidates[int(np.nanargmax(tps))]
+            hope = np.where(np.isnan(h := self.hoped_at(self.candidates, call)), expected, h)
+            hoped = (1.0 + hope) / prices
+            i = self.candidates.index(state.choice)
+            hoped[i] = -np.inf
+            if np.all(~np.isfinite(hoped)):
+                return state.choice
+            j = int(np.nanargmax(np.where(np.isfinite(hoped), hoped, np.nan)))
+            per_token = prices[i] / (1.0 + expected[i])  # seconds per token at the choice
+            pair = 2 if state.choice == 0 else 1  # a tree probed from plain decoding runs twice (`CallBudget`)
+            floor = 5 * _PROBE_SHARE * prices[i]  # a probe at most every 5 steps
+            hoped_loss = pair * max(prices[j] - (1.0 + hope[j]) * per_token, floor)
+            if state.probe is None and state.credit >= hoped_loss:
+                state.probe = (self.candidates[j], float(per_token), pair)
+                return self.candidates[j]
+            return state.choice
 
-    def call_budget(self, rows: int) -> int:
-        """The tree size of a whole call of `rows` rows that cannot change it per step (the static step), or 0: plain
-        decoding for the call (`batch_budget.held_budget`)."""
+    def _first_tree(self) -> int:
+        """A bucket's first tree: another bucket's choice of a tree, else `START`."""
+        chosen = [s.choice for s in self.buckets.values() if s.choice]
+        return min(chosen, key=lambda b: abs(b - START)) if chosen else min(START, self.candidates[-1])
+
+    def call_budget(self, rows: int, shape: tuple) -> int:
+        """The one tree size of every call of `shape` (a compiled graph each: rows, length bucket, compile options)
+        that cannot change it per step (the static step): where the call is its shape's first, the choice of its
+        rows' bucket (else of one row, else `START`); then the same for every later call of the shape, so no later
+        call compiles a graph."""
         with self.lock:
-            return held_budget(self, rows)
-
-    def _hope(self, budget: int, expected: float) -> float:
-        """E[accepted | budget] plus `explore` standard errors, sqrt((1 + E) / n) over its n (discounted) observations
-        (an accepted length's spread grows with its mean): an unlucky start must not space a tree's probes out. Plain
-        decoding's 0 is exact; a tree never observed stays nan (probed at once)."""
-        n = self.obs[budget]
-        if budget == 0 or n <= 0:
-            return expected
-        return expected + self.knobs.explore * float(np.sqrt((1.0 + expected) / n))
-
-    def _probe(self, tps: np.ndarray) -> int:
-        """The budget of the next probe, in turn: the candidate above the choice (its acceptance shows only in trees
-        at least as large), the runner-up tree (a curve measured under another load can be off by more than the
-        candidates differ) and plain decoding (or the best tree)."""
-        above = [b for b in self.candidates if b > self.choice]
-        turns = [above[0]] if above and self.choice else []
-        rest = tps.copy()
-        rest[[0, self.candidates.index(self.choice)]] = np.nan
-        runner_up = self.best(rest) if self.choice and not np.all(np.isnan(rest)) else None
-        if runner_up is not None and runner_up not in above[:1]:
-            turns.append(runner_up)
-        turns.append(0 if self.choice else self.best(tps, drafting_only=True))
-        return turns[self._probe_turn % len(turns)]
+            if shape not in self.held:
+                chosen = self.buckets.get(batch_bucket(rows))
+                self.held[shape] = chosen.choice if chosen is not None and chosen.choice is not None else self.choice
+            return self.held[shape]
 
 
 class CallBudget:
     """The node budget of one call's steps as the loop sees it: `next` before a step, `observe` after it, one call
-    each. A fixed budget stays fixed. The cost-aware one is the policy's: one active row times whole steps
-    (`BudgetPolicy.start` / `observe`); a batch feeds the batch rule its verify time and per-row drafting (CPU phase
-    times are exact; where they are launch times, CUDA without `dart_timing`, the whole step up to its host read is
-    the verify time and drafting 0, so the rule learns on every device). A call held at one tree size (`hold`: the
-    static step) feeds the rules its acceptance, and its step times to the held-size rule only (compiled steps are not
-    the eager steps the other rules price): each step after the call's first, which may compile, timed whole (it ends
-    in the static step's one host read); a call handed to plain decoding reports its mean step (`observe_plain`). Each
-    step's budget follows this call's own acceptance as it comes (`CallAcceptance`). A tensor-parallel target takes
-    the first rank's choice on every rank."""
+    each. A fixed budget stays fixed. The cost-aware one is the policy's, each step timed whole by this call (from
+    `next` to the host read of the step's lengths in `observe`), with this call's own acceptance counts
+    (`CallAcceptance`). A call held at one tree size (`hold`: the static step) feeds the policy its acceptance only
+    (compiled steps are not the eager steps the rule prices). A tensor-parallel target takes the first rank's choice
+    on every rank."""
 
     def __init__(self, policy: BudgetPolicy | None, fixed: int, target, timer: PhaseTimer):
         self.policy, self.fixed, self.timer, self.target = policy, fixed, timer, target
         self.group = tensor_parallel_group(target) if policy is not None else None
         self.held = policy is None
-        self.rows, self.started, self.drafted, self.drafted_before = 0, 0.0, 0.0, False
-        self.call_rows, self.held_steps = 0, 0
+        self.rows, self.started, self.previous, self.repeat = 0, 0.0, -1, None
         self.accepted = None if policy is None else CallAcceptance(len(policy.obs))  # this call's own counts
 
     @property
@@ -316,16 +284,15 @@ class CallBudget:
         return "fixed" if self.policy is None else "auto"
 
     def latest(self, budget: int) -> int:
-        """The tree size in force at the end of the call (`DartStats.node_budget`): the one-row rule's choice, else
-        the last step's budget."""
-        return self.policy.choice if not self.held and self.rows == 1 else budget
+        """The tree size in force at the end of the call (`DartStats.node_budget`): the last step's budget."""
+        return budget
 
-    def call_budget(self, rows: int) -> int:
-        """The one tree size of a call of `rows` rows that cannot change it per step: the fixed one, or the policy's
-        (`BudgetPolicy.call_budget`; a tensor-parallel target's every rank takes the first rank's)."""
-        self.call_rows = rows
-        return self.fixed if self.policy is None else shared_budget(self.group, self.policy.call_budget(rows),
-                                                                    self.target)
+    def call_budget(self, rows: int, shape: tuple) -> int:
+        """The one tree size of a call that cannot change it per step: the fixed one, or the policy's for the call's
+        `shape` (`BudgetPolicy.call_budget`; a tensor-parallel target's every rank takes the first rank's)."""
+        if self.policy is None:
+            return self.fixed
+        return shared_budget(self.group, self.policy.call_budget(rows, shape), self.target)
 
     def hold(self, budget: int) -> None:
         """Every step of the call runs `budget` (the static step's one tree size)."""
@@ -334,13 +301,13 @@ class CallBudget:
     def next(self, rows: int) -> int:
         """This step's node budget per row, for `rows` active rows."""
         if self.held:
-            self.started = self.policy.clock() if self.policy is not None else 0.0
             return self.fixed
         self.rows = rows
-        budget = shared_budget(self.group, self.policy.next_budget(rows, self.accepted), self.target)
-        self.started, self.drafted = self.policy.clock(), self._drafting()
-        if rows == 1:
-            self.policy.start()
+        if self.repeat is not None:  # a tree after plain steps runs again, timed
+            budget, self.repeat = self.repeat, None
+        else:
+            budget = shared_budget(self.group, self.policy.next_budget(rows, self.accepted), self.target)
+        self.started = self.policy.clock()
         return budget
 
     def observe(self, budget: int, trees: DraftTrees | None, step) -> None:
@@ -354,87 +321,32 @@ class CallBudget:
         else:  # the static step read its ranks with its result; the eager one ranks its paths here
             ranks = path_ranks(trees.ranks(step.paths) if step.ranks is None else step.ranks, lengths)
         if self.held:
-            self.policy.observe_rows(budget, ranks)  # (the held-size rule decides per call: no call counts)
-            if self.held_steps:
-                self.policy.observe_held(self.call_rows, budget, self.policy.clock() - self.started)
-            self.held_steps += 1
-        elif self.rows == 1:
-            self.policy.observe(budget, ranks[0], self.accepted)
-        elif self.timer.exact:
-            self.policy.observe_batch(self.rows, budget, trees.tokens.numel(), self.timer.last["verify"],
-                                      self._drafting() - self.drafted, self.drafted_before, ranks, self.accepted)
-        else:
-            self.policy.observe_batch(self.rows, budget, trees.tokens.numel(), self.policy.clock() - self.started,
-                                      0.0, self.drafted_before, ranks, self.accepted)
-        self.drafted_before = budget > 0
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        """The policy's clock (seconds), or `time.perf_counter` for a fixed budget."""
-        return time.perf_counter if self.policy is None else self.policy.clock
-
-    def observe_plain(self, clock: "PlainStepClock") -> None:
-        """The call ran plain decoding (transformers' own loop): its mean step time, for the held-size rule."""
-        seconds = clock.step_seconds()
-        if self.policy is not None and seconds is not None:
-            self.policy.observe_held(self.call_rows, 0, seconds)
-
-    def _drafting(self) -> float:
-        """Seconds spent so far on head forwards and tree searches (the drafter times its phases into `timer`)."""
-        return self.timer.totals.get("draft", 0.0) + self.timer.totals.get("tree", 0.0)
-
-
-class PlainStepClock(LogitsProcessor):
-    """Times plain decoding's steps inside transformers' own loop, for the held-size rule (a call handed to plain
-    decoding: `loop._plain_call`): a logits processor that returns the scores unchanged and notes each call, one per
-    step after its forward. The clock starts at the second call, after the first decoding step (which may compile;
-    the first call is the prefill's); on an accelerator that call and the end synchronise, once each, so the steps
-    between are timed whole."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock, self.calls, self.started, self.device = clock, 0, 0.0, None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls == 2:
-            self.device = scores.device
-            _synchronize(self.device)
-            self.started = self.clock()
-        return scores
-
-    def step_seconds(self) -> float | None:
-        """Mean seconds of the steps after the second (None: fewer than two of them)."""
-        if self.calls < 4:
-            return None
-        _synchronize(self.device)
-        return (self.clock() - self.started) / (self.calls - 2)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+            self.policy.observe(len(lengths), budget, ranks, None)
+            return
+        steady = budget == 0 or self.previous > 0  # a tree after plain steps catches its head up: not timed, rerun
+        self.policy.observe(self.rows, budget, ranks, self.policy.clock() - self.started, self.accepted, priced=steady)
+        self.previous, self.repeat = budget, None if steady else budget
 
 
 class BudgetState:
-    """The policies' memory across `generate` calls, one per (target configuration, prompt lookup on/off, sampling
-    or greedy: sampling accepts less and its steps cost more, so each learns from its own calls): a fresh policy pays
-    its warm-up at the largest tree again. `head.budget_state`; `reset()` forgets."""
+    """The policies' memory across `generate` calls, one per (target, its dtype and device, prompt lookup on/off,
+    sampling or greedy: sampling accepts less and its steps cost more, so each learns from its own calls).
+    `head.budget_state`; `reset()` forgets."""
 
-    def __init__(self, knobs: BudgetKnobs | None = None, clock: Callable[[], float] = time.perf_counter):
-        self.knobs, self.clock = knobs, clock
-        self.policies: dict[tuple[str, bool, bool], BudgetPolicy] = {}
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, sizes: Sequence[int] = LADDER):
+        self.clock, self.sizes = clock, tuple(sizes)
+        self.policies: dict[tuple, BudgetPolicy] = {}
         self._lock = threading.Lock()
 
     def policy(self, target, prompt_lookup: bool, sampled: bool = False) -> BudgetPolicy:
-        key = cost_key(target)
-        name = (str(cost_file(key)), bool(prompt_lookup), bool(sampled))
+        text = target.config.get_text_config(decoder=True)
+        shape = tuple(getattr(text, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+        key = (type(target).__name__, target.config._name_or_path, shape, str(target.dtype), str(target.device),
+               bool(prompt_lookup), bool(sampled))
         with self._lock:
-            if name not in self.policies:
-                curve = load_curve(target)
-                if curve is None:
-                    _warn_no_curve(key, target.device.type)
-                self.policies[name] = BudgetPolicy(curve, self.knobs, target.device.type, self.clock)
-            return self.policies[name]
+            if key not in self.policies:
+                self.policies[key] = BudgetPolicy(self.sizes, self.clock)
+            return self.policies[key]
 
     def reset(self) -> None:
         self.policies.clear()
@@ -444,36 +356,6 @@ class BudgetState:
 
 
 _state_lock = threading.Lock()  # one `head.budget_state` however many calls start at once
-
-
-def _warn_no_curve(key: dict, device_type: str) -> None:
-    """The one-line hint that no verify-cost curve exists, raised where a policy is made (a head's first call per
-    target) and pointing at the user's own call (the first frame outside dart_hf, transformers, torch and
-    contextlib), so Python's default filter shows it once per line of the user's code, and at an action that exists
-    where this code runs (inside a head's `custom_generate/` copy there is no `dart-hf` command)."""
-    fixed = BudgetKnobs.no_curve_budget if device_type == "cpu" else BudgetKnobs.no_curve_budget_gpu
-    where, command = key["device_name"], "dart-hf calibrate <target folder or name>"
-    if device_type == "cpu":  # a CPU curve serves one thread count (`cost_key`)
-        where += " (a CPU curve serves one torch thread count)"
-        command += f" --threads {torch.get_num_threads()}"
-    fit = "to fit the tree size to this device" + (" and thread count" if device_type == "cpu" else "")
-    action = (f"run `{command}` once {fit}" if (__package__ or "").startswith("dart_hf") else
-              f"with dart_hf installed, `{command}` fits the tree size to this device")
-    warnings.warn(f"dart_hf: no verify-cost curve for {key['name']} on {where}, so the node budget chooses between "
-                  f"plain decoding and a tree of {fixed} nodes (a static-cache call also times its neighbouring "
-                  f"sizes); {action}, or pass dart_node_budget=<n> for a fixed tree", stacklevel=_caller_stacklevel())
-
-
-def _caller_stacklevel() -> int:
-    """The `warnings.warn` stacklevel (1: `_warn_no_curve`) of the first frame outside this package, transformers,
-    torch and contextlib: the user's own `generate` or pipeline call."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    package = os.path.dirname(here) if (__package__ or "").startswith("dart_hf") else here
-    skip = (package, os.path.dirname(transformers.__file__), os.path.dirname(torch.__file__), contextlib.__file__)
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 2
 
 
 def budget_policy(head, target, prompt_lookup: bool | None = None, state: BudgetState | None = None,
@@ -490,5 +372,5 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
     return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup, sampled)
 
 
-__all__ = ["BudgetKnobs", "BudgetPolicy", "BudgetState", "CallAcceptance", "CallBudget", "PlainStepClock",
-           "budget_policy", "path_ranks"]
+__all__ = ["BudgetPolicy", "BudgetState", "CallAcceptance", "CallBudget", "LADDER", "START", "budget_policy",
+           "path_ranks"]

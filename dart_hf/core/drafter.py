@@ -42,16 +42,6 @@ def batch_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def default_node_budget(head: DartHead, target: PreTrainedModel) -> int:
-    """One node budget for a whole call (chain mode): the head config's, or for a cost-aware head
-    (`node_budget=None`) the budget policy's current choice, at least one node (`dart_hf.core.budget`)."""
-    if head.config.node_budget is not None:
-        return head.config.node_budget
-    from .budget import budget_policy  # the tree loop asks the policy itself, every step
-
-    return max(1, budget_policy(head, target).choice)
-
-
 def draft_depth(node_budget: int, max_new: int, num_predictions: int) -> int:
     """How many of the head's K + 1 rows a step drafts: no deeper than the budget's tree can reach, than `max_new`
     tokens allow, or than the head predicts (at least one row)."""
@@ -118,7 +108,10 @@ class DartDrafter:
     def start(self, input_ids: torch.Tensor, lefts: list[int], aux: torch.Tensor, first: torch.Tensor) -> None:
         """The prompts' hand-off: each row's text is its prompt (without its left padding) + its first new token
         `first` [rows]; the head reads the prompt's target states `aux` [rows, T, 3H] now (one forward), all but the
-        last position, which waits for the first tree's forward."""
+        last position, which waits for the first tree's forward. A row whose prompt leaves no room to draft below
+        `limit` (a prompt at or past the target's context, or within a token of max_length) is exhausted now: the
+        head reads none of its states (its buffers hold positions below `limit` only, and a prompt past the context
+        is longer) and the row decodes plainly, as plain `generate` decodes it."""
         rows, t = input_ids.shape
         dev = self.device
         index = (torch.tensor(lefts, device=dev).view(-1, 1) + torch.arange(t, device=dev)).clamp(max=t - 1)
@@ -131,13 +124,14 @@ class DartDrafter:
         self.text.scatter_(1, torch.tensor(n, device=dev).view(-1, 1), first.to(dev).view(-1, 1))
         self.text_len.copy_(torch.tensor(n, device=dev) + 1)
         self.used = [m + 1 for m in n]
+        self.exhausted = [self.limit - u - 1 <= 0 for u in self.used]  # `propose`'s rule, at any max_new
         self.pend_aux[:, 0] = states[torch.arange(rows, device=dev), self.text_len - 2]
         self.pend_tok[:, 0] = nxt[torch.arange(rows, device=dev), self.text_len - 2]
-        read = [m - 1 for m in n]
+        read = [0 if done else m - 1 for m, done in zip(n, self.exhausted)]
         if max(read) > 0:
             self._read(states[:, : max(read)], nxt[:, : max(read)], read)
-        self.n_pend.fill_(1)
-        self.pending = [1] * rows
+        self.pending = [0 if done else 1 for done in self.exhausted]
+        self.n_pend.copy_(torch.tensor(self.pending, device=dev))
 
     # ------------------------------------------------------------------------------ device-side (captured)
     def forward(self, depth: int, width: int | None = None, kv_len: int | None = None) -> torch.Tensor:

@@ -23,8 +23,8 @@ What plain batched `generate` does, and how it is kept:
   (`acceptance`): the same seed gives the same text at every node budget and on either backend, but not plain
   `generate`'s text (it draws with `torch.multinomial`).
 
-A static call at a node budget of 0 (asked for, or the cost-aware rule's choice: `batch_budget.held_budget`) is plain
-decoding for the whole call, transformers' own loop (`_plain_call`): plain `generate`'s tokens and sampled text.
+A static call at a node budget of 0 (asked for, or the size rule's choice for its shape: `BudgetPolicy.call_budget`) is
+plain decoding for the whole call, transformers' own loop (`_plain_call`): plain `generate`'s tokens and sampled text.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .acceptance import BatchAccepted, StepAcceptance
-from .budget import BudgetPolicy, CallBudget, PlainStepClock, budget_policy
-from .checks import (check_cache, check_call, check_model_inputs, check_node_budget, check_padding, check_processors,
-                     eager_cache, is_batch, prepare_call)
+from .budget import BudgetPolicy, CallBudget, budget_policy
+from .checks import (check_cache, check_call, check_embeds, check_inputs, check_model_inputs, check_node_budget,
+                     check_padding, check_processors, eager_cache, is_batch, prepare_call)
 from .distributed import check_tensor_parallel_call
-from .drafter import DartDrafter
+from .drafter import DartDrafter, batch_bucket, bucket
 from .eager_step import EagerStep
 from .modeling import DartHead
 from .rows import (ColumnStream, Rows, fast_criteria, final_length, first_stop, first_stops, result,
@@ -140,8 +140,12 @@ def dart_decode(
 # ------------------------------------------------------------------------------------------------ the call's setup
 def _check(model, head, input_ids, mask, logits_processor, config, model_kwargs, node_budget) -> None:
     """Every refusal of a tree call, before anything changes (`checks.py`; a tensor-parallel target: every rank the
-    same call, `distributed.check_tensor_parallel_call`)."""
+    same call, `distributed.check_tensor_parallel_call`). The prompt's own checks (`check_inputs`) are chain mode's
+    too; `mask` is None where transformers dropped an all-ones mask (its length: `check_model_inputs`)."""
+
     check_call(model, head, input_ids, config, model_kwargs)
+    check_embeds(model_kwargs)
+    check_inputs(model, input_ids, mask, "tree")
     check_head_matches_target(head, model)
     check_node_budget(node_budget)
     check_processors(logits_processor, "a batch" if is_batch(input_ids, mask) else None)
@@ -154,11 +158,11 @@ def _check(model, head, input_ids, mask, logits_processor, config, model_kwargs,
 
 def _call_budget(head: DartHead, model, requested, lookup: bool, state, timer: PhaseTimer,
                  sampled: bool) -> CallBudget:
-    """The call's budget: the cost-aware policy for "auto" (or a head config's `node_budget=None`; sampled and greedy
-    calls learn apart), else fixed (the request, or the head config's)."""
+    """The call's budget: the size rule for "auto" (or a head config's `node_budget=None`; sampled and greedy calls
+    learn apart), else fixed (the request, or the head config's)."""
     if requested == "auto" or (requested is None and head.config.node_budget is None):
         policy: BudgetPolicy | None = budget_policy(head, model, prompt_lookup=lookup, state=state, sampled=sampled)
-        return CallBudget(policy, policy.choice, model, timer)
+        return CallBudget(policy, policy.choice, model, timer)  # (`fixed`: the size a chain-mode call would take)
     return CallBudget(None, head.config.node_budget if requested is None else requested, model, timer)
 
 
@@ -169,7 +173,7 @@ def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig,
     decoding for the call, `_plain_call`)."""
     static, reason = None, None
     if static_requested(config, model_kwargs):
-        budget = budgets.call_budget(len(rows))
+        budget = budgets.call_budget(len(rows), (batch_bucket(len(rows)), bucket(config.max_length), accept.vectorised))
         if budget == 0:
             return None
         static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
@@ -185,8 +189,20 @@ def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig,
                           eos_token_ids=config._eos_token_tensor, rows=len(rows))
     cache = eager_cache(model, model_kwargs if reason is None else {})  # a refused StaticCache: a new cache
     backend = EagerStep(model, drafter, cache, rows, head.config.aux_layer_ids)
-    backend.reason = reason
+    backend.reason = "; ".join(filter(None, [reason, _past_context(model, rows)])) or None
     return backend
+
+
+def _past_context(model, rows: Rows) -> str | None:
+    """Which rows' prompts are at or past the target's context (`max_position_embeddings`), said in
+    `DartStats.static_reason`: the drafter drafts no position there (`DartDrafter.start`), so those rows decode
+    plainly, as plain `generate` decodes them; None: no such row."""
+    context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    past = [b for b, left in enumerate(rows.lefts) if context and rows.prompt - left >= context]
+    if not past:
+        return None
+    which = f"the prompt of row {past[0]}" if len(past) == 1 else f"the prompts of rows {past}"
+    return f"{which} at or past the target's context ({context} tokens): decoded plainly"
 
 
 def _prefill(model, input_ids, attention_mask, rows: Rows, backend: StepBackend, accept: StepAcceptance,
@@ -213,21 +229,18 @@ def _plain_call(model, input_ids, logits_processor: LogitsProcessorList, stoppin
                 config: GenerationConfig, streamer, budgets: CallBudget, stats: DartStats, model_kwargs: dict):
     """Plain decoding for the whole call: transformers' own loop (`_sample`) on the cache and with the arguments
     `generate` prepared, compiled where plain `generate` compiles, so the call is plain `generate`'s, sampled text
-    included. Where a static call's budget is 0: asked for, or the held-size rule's choice where drafting did not pay
-    at these rows (`batch_budget.held_budget`); its mean step is timed for that rule (`PlainStepClock`)."""
-    clock = PlainStepClock(budgets.clock)
+    included. Where a static call's budget is 0: asked for, or the size rule's choice for the call's shape."""
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    out = model._sample(input_ids, LogitsProcessorList([*logits_processor, clock]), stopping_criteria, config,
-                        streamer=streamer, **model_kwargs)
-    budgets.observe_plain(clock)
+    out = model._sample(input_ids, logits_processor, stopping_criteria, config, streamer=streamer, **model_kwargs)
     stats.budget_mode, stats.node_budget = budgets.mode, 0
-    for _ in range(clock.calls - 1):  # the decoding steps, one token each
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    for _ in range(sequences.shape[-1] - input_ids.shape[-1] - 1):  # the decoding steps, one token each
         stats.record_step(1, 0)
     stats.new_tokens += 1  # the prefill's token
     stats.static, stats.compiled = True, bool(model._valid_auto_compile_criteria(model_kwargs, config))
     stats.static_reason = ("plain decoding for the call (transformers' own loop): " + (
-        "node budget 0" if budgets.policy is None else "drafting did not pay at this batch size, or a probe of it"))
+        "node budget 0" if budgets.policy is None else "the size rule's choice for this shape"))
     return out
 
 

@@ -11,9 +11,10 @@ Where the head is: because transformers runs the cached copy, `__file__` does no
 is where the code came from: the `custom_generate=` argument of the transformers `generate` call that is running this
 function (a local folder, or a Hub repo id whose snapshot holds the weights beside `custom_generate/`), read from
 that call's frame. `dart_head=<folder or repo id>` overrides it. transformers calls
-`generate(model=target, **every generate() argument)`; the head is loaded once per location and the call goes back
-to `target.generate` with the DART loop as the decoding method (which checks and places the head, as for any call), so
-transformers still prepares the generation config, processors and stopping criteria.
+`generate(model=target, **every generate() argument)`; the prompt is checked (`checks.check_prompt`: transformers
+would fail on an empty batch before the loop's own checks), the head is loaded once per location and the call goes
+back to `target.generate` with the DART loop as the decoding method (which checks and places the head, as for any
+call), so transformers still prepares the generation config, processors and stopping criteria.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..core.checks import check_prompt
 from ..core.loop import dart_decode
 from ..core.modeling import DartHead
 
@@ -62,5 +64,6 @@ def generate(model, *args, dart_head: str | os.PathLike | None = None, streamer=
             "no DART head location: call target.generate(..., custom_generate=<head folder or repo id>, "
             "trust_remote_code=True), or pass dart_head=<head folder or repo id>"
         )
+    check_prompt(model, args, kwargs, "tree")  # before transformers prepares the prompt (and the head loads)
     head = load_head(location, **hub_kwargs)
     return model.generate(*args, custom_generate=dart_decode, dart_head=head, dart_streamer=streamer, **kwargs)

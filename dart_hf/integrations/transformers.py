@@ -7,9 +7,11 @@
   prepares the GenerationConfig, processors, stopping criteria and cache. `streamer` is passed as `dart_streamer`
   because transformers does not forward it to custom callables, and stop strings become a `StopStringCriteria`
   here because transformers drops `tokenizer` for custom callables. `dart_mode="chain"` instead runs transformers'
-  own assisted-decoding loop with the head as a chain drafter. `assistant_model` may also name a head's folder or
-  Hub id (loaded once per process); any other string is refused at once with a ValueError that says what it names
-  (transformers' `generate` takes no string). Any other call goes to the original `generate` untouched.
+  own assisted-decoding loop with the head as a chain drafter; its `dart_*` options are taken out of the call (or
+  refused by name) and the head is placed only when transformers, its own checks passed, asks for the candidate
+  generator. Both modes check the prompt first (`checks.check_prompt`). `assistant_model` may also name a head's
+  folder or Hub id (loaded once per process); any other string is refused at once with a ValueError that says what
+  it names (transformers' `generate` takes no string). Any other call goes to the original `generate` untouched.
 
 Nothing else is patched, registered or changed, at import or during a call: the target's layer inputs come back from
 its own forward (`output_hidden_states` with the layer indices, which transformers collects per call), the tree mask
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import functools
+import inspect
 import json
 import os
 import time
@@ -42,9 +45,10 @@ from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..core.budget import budget_policy
+from ..core.checks import check_node_budget, check_processors, check_prompt, check_stats, prepare_call, prompt_ids
 from ..core.distributed import check_tensor_parallel_call, shared_budget, tensor_parallel_group
-from ..core.drafter import DartDrafter, default_node_budget, draft_depth
-from ..core.checks import check_processors, prepare_call
+from ..core.drafter import DartDrafter, draft_depth
 from ..core.loop import dart_decode
 from ..core.modeling import DartHead
 from ..core.stats import DartStats, PhaseTimer
@@ -52,18 +56,38 @@ from ..core.support import check_chain_target, check_tree_target
 from ..core.target import aux_request, aux_states, check_head_matches_target
 
 MODES = ("tree", "chain")
+# The `dart_*` options (README "Options"): the tree loop's are `dart_decode`'s own (less what the routing passes it);
+# chain mode runs transformers' loop, with one node budget per call and no cost-aware state to learn
+TREE_OPTIONS = tuple(name for name in inspect.signature(dart_decode).parameters
+                     if name.startswith("dart_") and name not in ("dart_head", "dart_streamer"))
+CHAIN_OPTIONS = ("dart_node_budget", "dart_prompt_lookup", "dart_timing", "dart_stats")
+
+
+@dataclass(frozen=True)
+class _ChainRequest:
+    """A chain-mode `generate` call as checked (`_check_chain_call`), before anything changed: the head as the caller
+    passed it and the `dart_*` options chain mode takes (README "Options")."""
+
+    head: DartHead
+    node_budget: int | str | None  # dart_node_budget: a whole number >= 1, "auto", or None (the head config's)
+    prompt_lookup: bool | None  # dart_prompt_lookup: None, the head config's
+    timing: bool  # dart_timing: synchronised phase times
+    stats: DartStats | None  # dart_stats: None, a new DartStats
 
 
 @dataclass
 class _ChainCall:
-    """What the chain-mode `generate` call set up for the candidate generator transformers builds inside it."""
+    """What the candidate generator drafts with: the head placed for the target (`prepare_call`), the call's stats and
+    its settings."""
 
-    head: DartHead  # placed for the target (`prepare_call`)
+    head: DartHead
     stats: DartStats
     node_budget: int
+    prompt_lookup: bool
+    timing: bool
 
 
-_CHAIN_CALL: contextvars.ContextVar[_ChainCall | None] = contextvars.ContextVar("dart_chain_call", default=None)
+_CHAIN_CALL: contextvars.ContextVar[_ChainRequest | None] = contextvars.ContextVar("dart_chain_call", default=None)
 
 
 class DartCandidateGenerator(CandidateGenerator):
@@ -76,15 +100,15 @@ class DartCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True  # transformers hands `get_candidates` the latest target forward's outputs
 
-    def __init__(self, head: DartHead, target, generation_config, call: _ChainCall):
+    def __init__(self, target, generation_config, call: _ChainCall):
+        head = call.head
         self.stats, self.node_budget = call.stats, call.node_budget
         self.aux_ids = head.config.aux_layer_ids
         self.model_kwargs_overrides = aux_request(self.aux_ids)  # the target returns the layer inputs the head reads
         self.max_length = generation_config.max_length
         self.drafter = DartDrafter(head, target, max_length=self.max_length, node_budget=call.node_budget,
-                                   prompt_lookup=head.config.prompt_lookup,
-                                   eos_token_ids=generation_config._eos_token_tensor)
-        self.timer = PhaseTimer(call.stats.time, head.device)
+                                   prompt_lookup=call.prompt_lookup, eos_token_ids=generation_config._eos_token_tensor)
+        self.timer = PhaseTimer(call.stats.time, head.device, call.timing)
         self.seen = 0  # positions whose target states the drafter has received
         self._proposed_at = 0.0
 
@@ -148,38 +172,85 @@ def _stop_strings_as_criteria(model, kwargs: dict) -> None:
 def _chain_generate(model, head: DartHead, args, kwargs):
     """transformers' assisted decoding with the head as chain drafter.
 
-    `check_head_matches_target` and `prepare_call` (the tree loop's, run before transformers sees the head: its own
-    assistant checks would otherwise fail first with misleading advice, e.g. "different tokenizers" for a vocab
-    mismatch) check and place the head."""
-    check_head_matches_target(head, model)
-    placed, stats = prepare_call(head, model, kwargs.pop("dart_stats", None))
-    config = kwargs.get("generation_config") or model.generation_config
-    check_tensor_parallel_call(placed, model, mode="chain", batch_size=1,
-                               do_sample=bool(kwargs.get("do_sample", config.do_sample)))
-    budget = shared_budget(tensor_parallel_group(model), default_node_budget(head, model), model)
-    stats.reset(mode="chain", budget_mode="auto" if head.config.node_budget is None else "fixed", node_budget=budget)
-    token = _CHAIN_CALL.set(_ChainCall(placed, stats, budget))
+    Every check runs first (`_check_chain_call`: the head against the target before transformers sees it, whose own
+    assistant checks would fail first with misleading advice, e.g. "different tokenizers" for a vocab mismatch); the
+    head is placed and its stats set only once transformers, its own checks passed too, asks for the candidate
+    generator (`_get_candidate_generator`), so a refused call leaves the head as it was."""
+    request = _check_chain_call(model, head, args, kwargs)
+    token = _CHAIN_CALL.set(request)
     try:
         return _original_generate(model, *args, assistant_model=head, **kwargs)
     finally:
         _CHAIN_CALL.reset(token)
 
 
-def _check_chain_inputs(args: tuple, kwargs: dict) -> None:
+def _check_chain_call(model, head: DartHead, args: tuple, kwargs: dict) -> _ChainRequest:
+    """Every refusal of a chain-mode call, before anything changes; takes the `dart_*` options out of `kwargs`
+    (transformers would pass them to the target as model inputs)."""
+    check_chain_target(model)
+    check_prompt(model, args, kwargs, "chain")
+    _check_chain_inputs(prompt_ids(args, kwargs), kwargs)
+    _check_chain_stops(model, kwargs)
+    _check_one_sequence(model, kwargs)
+    check_head_matches_target(head, model)
+    request = _chain_request(head, kwargs)
+    config = kwargs.get("generation_config") or model.generation_config
+    check_tensor_parallel_call(head, model, mode="chain", batch_size=1, node_budget=request.node_budget,
+                               do_sample=bool(kwargs.get("do_sample", config.do_sample)))
+    return request
+
+
+def _chain_request(head: DartHead, kwargs: dict) -> _ChainRequest:
+    """The `dart_*` options of a chain-mode call, taken out of `kwargs` and checked; one chain mode does not take is
+    refused by name (`_check_chain_options`)."""
+    options = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith("dart_")]}
+    _check_chain_options(options)
+    budget = options.get("dart_node_budget")
+    check_node_budget(budget)
+    if budget == 0:
+        raise ValueError('dart_node_budget=0 (plain decoding) is a dart_mode="tree" setting; dart_mode="chain" '
+                         'drafts at least one node: a whole number >= 1 or "auto"')
+    check_stats(options.get("dart_stats"))
+    return _ChainRequest(head, budget, options.get("dart_prompt_lookup"), bool(options.get("dart_timing")),
+                         options.get("dart_stats"))
+
+
+def _check_chain_options(options: dict) -> None:
+    """Refuse, by name, a `dart_*` option (name -> value) chain mode does not take: transformers would pass it to the
+    target and blame the user's spelling ("model_kwargs are not used by the model ... typos"). A tree loop option
+    left None (its default) passes: chain mode has nothing to set there."""
+    takes = ", ".join(CHAIN_OPTIONS)
+    for name in sorted(options):
+        if name in CHAIN_OPTIONS or (name in TREE_OPTIONS and options[name] is None):
+            continue
+        if name in TREE_OPTIONS:
+            raise ValueError(f'{name} is a dart_mode="tree" option (the tree loop\'s cost-aware budget learns across '
+                             f'its steps and calls; dart_mode="chain" takes one node budget per call); '
+                             f'dart_mode="chain" takes {takes}')
+        raise ValueError(f'unknown DART option {name}: dart_mode="chain" takes {takes}')
+
+
+def _check_one_sequence(model, kwargs: dict) -> None:
+    """transformers' assisted decoding returns one sequence per prompt: it refuses num_return_sequences > 1 (after
+    the call started) and runs num_beams > 1 as greedy decoding, other text than plain `generate`'s beam search."""
+    config = kwargs.get("generation_config") or model.generation_config
+    for name in ("num_beams", "num_return_sequences"):
+        value = kwargs.get(name, getattr(config, name))
+        if value not in (None, 1):
+            raise ValueError(f'DART dart_mode="chain" (transformers\' assisted decoding) returns one sequence per '
+                             f"prompt: {name}={value} is not supported")
+
+
+def _check_chain_inputs(ids, kwargs: dict) -> None:
     """Chain mode is transformers' assisted decoding, which runs one row: say so, and where batches do run. The head
     drafts from token ids: chain mode needs them even where the target reads inputs_embeds."""
-    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] > 1:
         raise ValueError(
             f'DART dart_mode="chain" (transformers\' assisted decoding) supports batch size 1, got a batch of '
             f'{ids.shape[0]}; the default dart_mode="tree" decodes batches'
         )
-    if kwargs.get("inputs_embeds") is not None and (not isinstance(ids, torch.Tensor) or ids.numel() == 0):
+    if kwargs.get("inputs_embeds") is not None and not isinstance(ids, torch.Tensor):
         raise ValueError('DART dart_mode="chain" needs input_ids (the head drafts from them) beside inputs_embeds')
-    if isinstance(ids, torch.Tensor) and ids.numel() == 0:
-        raise ValueError(f'DART dart_mode="chain" needs at least one prompt token (the head drafts from the text), '
-                         f"got input_ids of shape {tuple(ids.shape)}; without input_ids generate starts from the "
-                         f"target's bos_token_id")
     config = kwargs.get("generation_config")
     if kwargs.get("output_hidden_states") or getattr(config, "output_hidden_states", False):
         raise ValueError('DART dart_mode="chain" asks the target for the hidden states its head reads, so it cannot '
@@ -212,11 +283,9 @@ def _generate(self, *args, assistant_model=None, **kwargs):
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant_model=DartHead already selects the decoding loop; drop custom_generate")
     if mode == "chain":
-        check_chain_target(self)
-        _check_chain_inputs(args, kwargs)
-        _check_chain_stops(self, kwargs)
         return _chain_generate(self, assistant_model, args, kwargs)
     check_tree_target(self)  # before generate prepares anything
+    check_prompt(self, args, kwargs, "tree")
     _stop_strings_as_criteria(self, kwargs)  # tree mode: dart_decode checks and places the head (prepare_call)
     streamer = kwargs.pop("streamer", None)
     return _original_generate(
@@ -230,11 +299,33 @@ def _get_candidate_generator(self, generation_config, *args, assistant_model=Non
         return _original_get_candidate_generator(
             self, generation_config, *args, assistant_model=assistant_model, **kwargs
         )
-    call = _CHAIN_CALL.get()
-    if call is None:
+    request = _CHAIN_CALL.get()
+    if request is None:
         raise RuntimeError("DART chain mode runs through target.generate(..., assistant_model=head, dart_mode='chain')")
     check_processors(kwargs.get("logits_processor"), 'dart_mode="chain" (transformers\' assisted decoding)')
-    return DartCandidateGenerator(call.head, self, generation_config, call)
+    return DartCandidateGenerator(self, generation_config, _chain_call(request, self, generation_config))
+
+
+def _chain_call(request: _ChainRequest, model, generation_config) -> _ChainCall:
+    """The head placed for `model` and the stats made the call's (`prepare_call`), once every check passed, and the
+    call's settings: prompt lookup, and one node budget (every rank of a tensor-parallel target the first rank's,
+    `shared_budget`)."""
+    head, stats = prepare_call(request.head, model, request.stats)
+    lookup = request.head.config.prompt_lookup if request.prompt_lookup is None else bool(request.prompt_lookup)
+    auto = request.node_budget == "auto" or (request.node_budget is None and head.config.node_budget is None)
+    if auto:
+        chosen = _auto_budget(request.head, model, lookup, bool(generation_config.do_sample))
+    else:
+        chosen = head.config.node_budget if request.node_budget is None else request.node_budget
+    budget = shared_budget(tensor_parallel_group(model), chosen, model)
+    stats.reset(mode="chain", budget_mode="auto" if auto else "fixed", node_budget=budget)
+    return _ChainCall(head, stats, budget, lookup, request.timing)
+
+
+def _auto_budget(head: DartHead, model, lookup: bool, sampled: bool) -> int:
+    """A cost-aware chain call's node budget: the tree loop's policy's current choice for this target, prompt-lookup
+    setting and sampling (chain mode reads it and teaches it nothing), at least one node."""
+    return max(1, budget_policy(head, model, prompt_lookup=lookup, sampled=sampled).choice)
 
 
 EXPECTED_ASSISTANT = ("assistant_model takes a DART head (its folder, holding a config.json with model_type \"dart\", "

@@ -34,9 +34,13 @@ cache bookkeeping).
 Prompts are interleaved (each prompt runs every method before the next prompt) so slow drifts in machine load hit
 all methods alike; `runs` repeats the whole interleaved pass and reports each run's speedup (median and spread).
 `load` starts that many busy-loop processes (one per core: `--load`) beside the methods for the whole bench, so a
-speedup on a busy machine is a command anyone can rerun. Before any timing (and before the load starts) the target's
-verify-cost curve is loaded or measured and written (`dart_hf.tools.calibrate`; not written when the measurement
-fails its checks). Writes results.json, results.md and results.png; the exit status is 3 when any output differs.
+speedup on a busy machine is a command anyone can rerun. Nothing is measured before the timed runs but their
+warm-up: the cost-aware size rule times its own steps as it decodes (`dart_hf.core.budget`). Writes results.json,
+results.md and results.png; the exit status is 3 when any output differs.
+
+`--hindsight` runs the default ("auto") against plain `generate` and every fixed tree size of `--budget` (default: the
+ladder's sizes up to 8 nodes), interleaved, and reports the default beside the best of them in hindsight
+(`results["hindsight"]`), greedy or sampled, one row or batches, eager or `--compiled`.
 
 `--batch-size B [B ...]` (any B > 1) runs the batched bench instead: for each B the prompts of each data set go in
 left-padded batches of B (each data set gets at least max(B) prompts, the same ones for every B), and plain batched
@@ -52,16 +56,15 @@ Under `torchrun` (`python -m torch.distributed.run --nproc-per-node N -m dart_hf
 $(which dart-hf) bench ...`) the target is loaded tensor-parallel (`tp_plan="auto"`: gloo on CPU, nccl on GPUs),
 every rank runs the same calls in lockstep and only rank 0 prints and writes the reports (its wall times: each step
 waits for every rank). The cost-aware methods are left out there (a tensor-parallel target needs a fixed node budget,
-`docs/TENSOR_PARALLEL.md`), a cost-aware head gets the first `--budget` for chain mode, and no verify-cost curve is
-measured.
+`docs/TENSOR_PARALLEL.md`), and a cost-aware head gets the first `--budget` for chain mode.
 
 `--synthetic` instead measures, on a CUDA GPU, a random target of Qwen3-8B's shape in bf16: the verify cost by tree
 size and the head + tree-search overhead as a share of a DART step, and with `--compiled` the same on a static cache
 with torch.compile against compiled plain decoding, with `--batch-size B [B ...]` on a batch of B random prompts per
 B: time per row token, every row compared with plain's (`examples/gpu_check.sh` runs it).
 
-This module is the command: `main` (arguments to a run), `selected_methods`, `run_bench` (the verify-cost curve,
-then the timed runs, the profile and the reports) and the exit status. What it runs lives beside it, a module per
+This module is the command: `main` (arguments to a run), `selected_methods`, `run_bench` (the timed runs, the
+profile and the reports) and the exit status. What it runs lives beside it, a module per
 concern so that each stays readable alone: `bench_methods` (the methods), `bench_timing` (the timed runs and their
 tokens/s, speed-ups and step breakdowns), `bench_report` (results.md, results.png, results.json), `bench_profile`
 (`--profile`) and `bench_synthetic` (`--synthetic`).
@@ -76,7 +79,6 @@ from pathlib import Path
 
 import torch
 
-from ..core.cost import load_curve
 from ..core.distributed import tensor_parallel_group
 from .assets import shipped_head
 from .bench_methods import (DEFAULT_BUDGET, SEEDS_HOW, Method, sampling_kwargs, sampling_settings,
@@ -102,7 +104,6 @@ def run_bench(
     runs: int = 1,
     load: int = 0,
     batch_sizes: list[int] | None = None,
-    calibrate: bool = True,
     profile: bool = False,
     sampling: dict | None = None,
 ) -> dict:
@@ -110,8 +111,6 @@ def run_bench(
 
     `prompts` maps a data set name to `[1, T]` id tensors. The first method must be "plain": the reference.
     `load`: busy-loop processes running beside the methods (`bench_timing.CompetingLoad`), 0 for none.
-    `calibrate`: measure the verify-cost curve first when none is stored (False: decode with what is stored, as a
-    user who never ran `dart-hf calibrate` does).
     `batch_sizes`: None or [1] for the single-row bench; otherwise the batched bench (`bench_timing.run_batched`): for
     each batch size B the prompts go in left-padded batches of B, and the results are per data set and batch size
     (`results["batches"]`).
@@ -122,10 +121,8 @@ def run_bench(
     `sampling`: None for greedy (outputs compared with plain's), or `bench_methods.sampling_settings`: every method
     samples with them, each call seeded right before it (the same seed for every method on a prompt), outputs not
     compared (`all_equal` None); `results["meta"]["sampling"]` states the settings and the seeds.
-    A tensor-parallel target (every rank calls this with the same arguments): no curve is measured (each rank's
-    measurement would decide its own sizes and retries; the cost-aware methods use a stored curve or none, and every
-    rank follows the first rank's choices, `core.distributed.shared_budget`), and only rank 0 shows progress, runs
-    the competing load and writes `out_dir`; every rank returns its own results (rank 0's are the ones to report).
+    A tensor-parallel target (every rank calls this with the same arguments): only rank 0 shows progress, runs the
+    competing load and writes `out_dir`; every rank returns its own results (rank 0's are the ones to report).
     """
     batched = batch_sizes is not None and list(batch_sizes) != [1]
     if batched and (not batch_sizes or min(batch_sizes) < 1):
@@ -135,7 +132,7 @@ def run_bench(
         raise ValueError("the first bench method must be 'plain' (the reference outputs are compared with)")
     ranks = tensor_parallel_ranks(target)
     if ranks is not None:
-        calibrate, meta = False, {**(meta or {}), "tensor_parallel": ranks[1]}
+        meta = {**(meta or {}), "tensor_parallel": ranks[1]}
         if ranks[0] != 0:  # rank 0 reports; the others run the same calls in lockstep
             progress, out_dir, load = False, None, 0
     gen = dict(**sampling_kwargs(sampling), max_new_tokens=max_new_tokens)
@@ -144,26 +141,44 @@ def run_bench(
     if getattr(target.generation_config, "pad_token_id", None) is None:
         eos = target.generation_config.eos_token_id
         gen["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
-    curve = None
-    if any(_cost_aware(m) for m in methods):
-        from .calibrate import calibrate as measure  # the cost-aware budget reads the curve; measure outside timing
-
-        curve = measure(target, verbose=progress)[0] if calibrate else load_curve(target)
     if batched:
         results = run_batched(target, head, prompts, methods, gen, sorted(set(batch_sizes)), warmup, progress,
-                              meta, runs, load, curve)
+                              meta, runs, load)
     else:
-        results = run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, load, curve)
+        results = run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, load)
     if profile:  # the methods that ran (warmed up: nothing compiles under the profiler)
         ran = [m for m in methods if not batched or 1 in batch_sizes or m.one_row_only is None]
         results["profile"] = profile_methods(target, head, prompts, ran, gen)
+    results["hindsight"] = hindsight(results)
     if out_dir is not None:
         write_reports(results, out_dir)
     return results
 
 
-def _cost_aware(m: Method) -> bool:
-    return m.name.endswith("_auto") or m.name.endswith("_auto_no_lookup")
+HINDSIGHT_BUDGETS = (1, 2, 3, 5, 8)  # `--hindsight` without --budget: the ladder's sizes a CPU step can afford
+
+
+def hindsight(results: dict) -> list[dict]:
+    """The default size rule against the best fixed choice in hindsight, per data set (and batch size) and for eager
+    and compiled decoding where both ran: the default's speed-up over plain (median over runs), the best of plain
+    decoding (1.0) and every fixed tree size that ran, and their ratio. Empty where the default did not run."""
+    tables = results.get("batches") or {ds: {"1": rows} for ds, rows in results["datasets"].items()}
+    out = []
+    for ds, sizes in tables.items():
+        for rows, methods in sizes.items():
+            for default, prefix, key in (("dart_tree_auto", "dart_tree_", "speedup"),
+                                         ("dart_compiled_auto", "dart_compiled_", "speedup_vs_baseline")):
+                if default not in methods or key not in methods[default]:
+                    continue
+                median = lambda r: r.get(f"{key}_median", r[key])  # noqa: E731
+                fixed = {int(n[len(prefix):]): median(r) for n, r in methods.items()
+                         if n.startswith(prefix) and n[len(prefix):].isdigit() and key in r}
+                best = max([(0, 1.0), *fixed.items()], key=lambda kv: kv[1])
+                out.append({"dataset": ds, "rows": int(rows), "compiled": prefix == "dart_compiled_",
+                            "default": median(methods[default]), "fixed": dict(sorted(fixed.items())),
+                            "best_budget": best[0], "best": best[1], "default_over_best": median(methods[default]) /
+                            best[1]})
+    return out
 
 
 def tensor_parallel_ranks(target) -> tuple[int, int] | None:
@@ -229,8 +244,13 @@ def main(args: argparse.Namespace) -> int:
     head_path = args.head if args.head is not None else str(shipped_head())
     n = max(args.n, *batch_sizes)  # every batch size decodes the same prompts, the largest at least one full batch
     prompts = {ds: eval_prompts(tokenizer, ds, n) for ds in args.datasets}
-    methods = selected_methods(standard_methods(fixed_budget=args.budget or [DEFAULT_BUDGET], compiled=args.compiled,
-                                                compile_backend=args.compile_backend), args.methods)
+    budgets = args.budget or (list(HINDSIGHT_BUDGETS) if args.hindsight else [DEFAULT_BUDGET])
+    names = args.methods
+    if args.hindsight:  # the default and every fixed size, eager or compiled
+        prefix = "dart_compiled_" if args.compiled else "dart_tree_"
+        names = [*(names or []), f"{prefix}auto", *(f"{prefix}{b}" for b in budgets)]
+    methods = selected_methods(standard_methods(fixed_budget=budgets, compiled=args.compiled,
+                                                compile_backend=args.compile_backend), names)
     if args.runs < 1 or (args.load is not None and args.load < 0):
         print("dart-hf bench: error: --runs must be >= 1 and --load >= 0", file=sys.stderr)
         return 2
@@ -238,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
     results = run_bench(target, head, prompts, max_new_tokens=args.max_new_tokens, methods=methods,
                         out_dir=args.out, warmup=not args.no_warmup, meta=meta, runs=args.runs,
                         load=args.load or 0, batch_sizes=None if batch_sizes == [1] else batch_sizes,
-                        calibrate=not args.no_calibrate, profile=args.profile, sampling=sampling)
+                        profile=args.profile, sampling=sampling)
     if not report:
         return 0 if results["all_equal"] is not False else MISMATCH_EXIT
     print(markdown_report(results))
@@ -289,5 +309,5 @@ def exit_status(results: dict) -> int:
     return MISMATCH_EXIT
 
 
-__all__ = ["MISMATCH_EXIT", "exit_status", "load_tensor_parallel", "main", "run_bench", "selected_methods",
-           "tensor_parallel_ranks"]
+__all__ = ["HINDSIGHT_BUDGETS", "MISMATCH_EXIT", "exit_status", "hindsight", "load_tensor_parallel", "main", "run_bench",
+           "selected_methods", "tensor_parallel_ranks"]

@@ -21,9 +21,7 @@ class Method:
     `tree`: a DART tree method, whose `head.stats` carry per-phase times; `compiled`: it decodes on a static cache
     with `torch.compile` (its first calls compile: warmed up on every prompt, `bench_timing._compile_warmup`, and
     never run with a forward hook, which dynamo would trace); `baseline`: another method whose tokens/s this one is
-    also compared with (the compiled DART rows: compiled plain `generate`, what a GPU user would otherwise run);
-    `at_budget(b)`: the cost-aware compiled method's call at a fixed budget b (each of its calls runs the held tree or
-    plain decoding, so its warm-up compiles both)."""
+    also compared with (the compiled DART rows: compiled plain `generate`, what a GPU user would otherwise run)."""
 
     name: str
     label: str
@@ -32,7 +30,6 @@ class Method:
     one_row_only: str | None = None  # why the method cannot decode a batch (None: it can); skipped at batch size > 1
     compiled: bool = False
     baseline: str | None = None
-    at_budget: Callable[[int], Callable] | None = None  # a cost-aware compiled method's call at a fixed budget
 
 
 DEFAULT_BUDGET = 60
@@ -83,8 +80,8 @@ def compile_config(device: torch.device, backend: str = "inductor"):
 
 def compiled_methods(budgets: list[int], backend: str = "inductor") -> list[Method]:
     """plain_compiled (`generate(ids, cache_implementation="static", compile_config=...)`), dart_compiled_<B> (the
-    same with the head at node budget B: `core.static_step`) and dart_compiled_auto (the cost-aware size the call
-    holds: `batch_budget.held_budget`); one row or a left-padded batch each."""
+    same with the head at node budget B: `core.static_step`) and dart_compiled_auto (the size the call's shape
+    holds: `core.budget.BudgetPolicy.call_budget`); one row or a left-padded batch each."""
     def plain(t, h, ids, **kw):
         return t.generate(ids, cache_implementation="static", compile_config=compile_config(t.device, backend), **kw)
 
@@ -92,8 +89,7 @@ def compiled_methods(budgets: list[int], backend: str = "inductor") -> list[Meth
         label = "cost-aware" if budget == "auto" else f"budget {budget}"
         return Method(f"dart_compiled_{budget}", f"DART, static cache + compile, {label}",
                       lambda t, h, ids, **kw: plain(t, h, ids, assistant_model=h, dart_node_budget=budget, **kw),
-                      tree=True, compiled=True, baseline="plain_compiled",
-                      at_budget=(lambda b: dart(b).run) if budget == "auto" else None)
+                      tree=True, compiled=True, baseline="plain_compiled")
 
     return [Method("plain_compiled", "generate, static cache + compile", plain, compiled=True),
             *(dart(b) for b in [*budgets, "auto"])]

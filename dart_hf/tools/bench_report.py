@@ -76,13 +76,14 @@ def markdown_report(results: dict) -> str:
                   "|---|---:|---:|---:|---|" + "---:|" * len(baselines)]
         for name, r in rows.items():
             equal = _equal_text(r, "prompts")
-            vs = "".join(f" {_speedup_text(r, 'speedup_vs_baseline')} |" if r.get("baseline") == b else " |"
+            vs = "".join(f" {_figure_text(r, rows, 'speedup_vs_baseline')} |" if r.get("baseline") == b else " |"
                          for b in baselines)
             lines.append(f"| {results['methods'][name]} | {fmt(r['tokens_per_s'], '.1f')} | "
-                         f"{_speedup_text(r)} | {fmt(r['accepted_length'])} | {equal} |{vs}")
+                         f"{_figure_text(r, rows)} | {fmt(r['accepted_length'])} | {equal} |{vs}")
+        lines += _caveat_lines(results, rows, "calls")
         lines += _phase_lines(results, rows)
         lines.append("")
-    return "\n".join(lines + _profile_lines(results))
+    return "\n".join(lines + hindsight_lines(results) + _profile_lines(results))
 
 
 def _phase_lines(results: dict, rows: dict) -> list[str]:
@@ -113,10 +114,7 @@ def _compile_lines(results: dict) -> list[str]:
              "tokens/s:", "", "| method | warm-up s (all calls) | first call s | calls |", "|---|---:|---:|---:|"]
     lines += [f"| {results['methods'][n]} | {w['seconds']:.1f} | {w['first_call_seconds']:.1f} | {w['calls']} |"
               for n, w in warm.items()]
-    held = [f"- {results['methods'][n]}: step ms per held size (rows x nodes; 0: plain decoding) after the warm-up, "
-            "which its calls choose by: " + ", ".join(f"{k} {v:.1f}" for k, v in w["held_step_ms"].items())
-            for n, w in warm.items() if w.get("held_step_ms")]
-    return lines + ([""] + held if held else []) + [""]
+    return lines + [""]
 
 
 def batch_markdown_report(results: dict) -> str:
@@ -142,11 +140,13 @@ def batch_markdown_report(results: dict) -> str:
         for b, rows in sizes.items():
             for name, r in rows.items():
                 equal = _equal_text(r, "batches")
-                vs = f" {_speedup_text(r, 'speedup_vs_baseline') if 'baseline' in r else ''} |" if compiled else ""
+                vs = f" {_figure_text(r, rows, 'speedup_vs_baseline') if 'baseline' in r else ''} |" if compiled else ""
                 lines.append(f"| {b} | {results['methods'][name]} | {fmt(r['tokens_per_s'], '.1f')} | "
-                             f"{_speedup_text(r)} |{vs} {_budget_text(r)} | {equal} |")
+                             f"{_figure_text(r, rows)} |{vs} {_budget_text(r)} | {equal} |")
+        lines += [line for b, rows in sizes.items()
+                  for line in _caveat_lines(results, rows, f"calls at batch size {b}")]
         lines.append("")
-    return "\n".join(lines + _profile_lines(results))
+    return "\n".join(lines + hindsight_lines(results) + _profile_lines(results))
 
 
 def _speedup_text(r: dict, key: str = "speedup") -> str:
@@ -155,6 +155,40 @@ def _speedup_text(r: dict, key: str = "speedup") -> str:
         lo, hi = r[f"{key}_spread"]
         return f"{fmt(r[f'{key}_median'])}x ({fmt(lo)}-{fmt(hi)})"
     return f"{fmt(r[key])}x"
+
+
+PLAIN_DECODING = "none: plain decoding throughout"  # a DART method's speed-up cell when it drafted no tree
+
+
+def _figure_text(r: dict, rows: dict, key: str = "speedup") -> str:
+    """A speed-up cell, with beside it what keeps the ratio from being a speed-up: a DART method that decoded plainly
+    in every call did plain `generate`'s decoding (its ratio, in results.json and the note beneath, is overhead and
+    timing noise, so the cell shows none); a method or its reference timed while other processes kept the machine
+    busy (`_caveat_lines` says how busy)."""
+    if r.get("plain_decoding"):
+        return PLAIN_DECODING
+    reference = rows.get("plain" if key == "speedup" else r.get("baseline"), {})
+    busy = r.get("busy") or reference.get("busy")
+    return _speedup_text(r, key) + (" (busy machine)" if busy else "")
+
+
+def _caveat_lines(results: dict, rows: dict, unit: str) -> list[str]:
+    """Beneath a table: each method timed on a busy machine (how busy, `bench_timing._machine_use`), and each DART
+    method whose calls decoded plainly throughout (node budget 0 in every step), all of them or some."""
+    lines = []
+    for name, r in rows.items():
+        label = results["methods"][name]
+        if r.get("busy"):
+            lines.append(f"- {label}: timed on a busy machine, {r['busy']}: its tokens/s and every ratio to it "
+                         "measure contention for the CPU as much as decoding; rerun on an idle machine")
+        if r.get("plain_decoding"):
+            lines.append(f"- {label}: all {r['calls']} of its {unit} decoded plainly (node budget 0 in every step): "
+                         f"the same decoding as plain `generate`, so its measured ratio ({_speedup_text(r)}) is "
+                         "overhead and timing noise, not a speed-up")
+        elif r.get("plain_calls"):
+            lines.append(f"- {label}: {r['plain_calls']} of its {r['calls']} {unit} decoded plainly (node budget 0 in "
+                         "every step)")
+    return [""] + lines if lines else []
 
 
 def _budget_text(r: dict) -> str:
@@ -274,4 +308,26 @@ def write_reports(results: dict, out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
-__all__ = ["batch_markdown_report", "fmt", "markdown_report", "plot_batch_results", "plot_results", "write_reports"]
+def hindsight_lines(results: dict) -> list[str]:
+    """`results["hindsight"]` (`bench.hindsight`) as a table: one row per data set, batch size and eager /
+    compiled."""
+    rows = results.get("hindsight") or []
+    if not rows:
+        return []
+    sizes = sorted({b for r in rows for b in r["fixed"]})
+    lines = ["## The default against the best fixed choice in hindsight", "",
+             "Speed-ups over plain `generate` (compiled rows: over compiled plain), medians over runs; best: the "
+             "fastest of plain decoding and every fixed tree size.", "",
+             "| data set | rows | mode | default | " + " | ".join(f"fixed {b}" for b in sizes)
+             + " | best | default / best |", "|---|---:|---|---:|" + "---:|" * len(sizes) + "---|---:|"]
+    for r in rows:
+        best = "plain" if r["best_budget"] == 0 else f"fixed {r['best_budget']}"
+        lines.append(f"| {r['dataset']} | {r['rows']} | {'compiled' if r['compiled'] else 'eager'} | "
+                     f"{r['default']:.2f}x | " + " | ".join(f"{r['fixed'][b]:.2f}x" if b in r["fixed"] else ""
+                                                         for b in sizes)
+                     + f" | {best}: {r['best']:.2f}x | **{r['default_over_best']:.2f}** |")
+    return lines + [""]
+
+
+__all__ = ["batch_markdown_report", "fmt", "hindsight_lines", "markdown_report", "plot_batch_results", "plot_results",
+           "write_reports"]

@@ -68,7 +68,7 @@ def run_synthetic(
     The head has the reference Qwen3-8B head's layout (draft length 7, a 32000-token draft vocabulary, norm applied
     twice), with random weights: it accepts about nothing, so steps are timed at about one token each.
 
-    Correct by construction: the cost curve is `calibrate.measure_verify_cost` and the steps are the real tree
+    Correct by construction: the cost curve is `verify_cost.measure_verify_cost` and the steps are the real tree
     loop (`generate(..., assistant_model=head, dart_timing=True)`); nothing here re-implements decoding.
 
     `compiled`: also plain and DART `generate` on a static cache with `torch.compile` (`compile_backend`), what a GPU
@@ -80,7 +80,7 @@ def run_synthetic(
     `sampling`: None (greedy) or `bench_methods.sampling_settings`: every call samples at those settings from one
     seed (`_generate`); the "equal to plain" fields are then None (sampled texts differ by method).
     """
-    from .calibrate import DEFAULT_SIZES, measure_verify_cost
+    from .verify_cost import DEFAULT_SIZES, measure_verify_cost
     from ..core.modeling import DartHead
     from ..core.ngram import NGramModel
 

@@ -2,8 +2,11 @@
 (`ForwardCounter`) and the DART steps' phase times and node budgets tallied; one prompt at a time in interleaved passes
 (`run_rows`) or in left-padded batches (`run_batched`), beside an optional competing load (`CompetingLoad`); then per
 data set and method the tokens/s, speed-ups over plain (median and spread over runs), accepted length and step
-breakdown (`_summarise`). Apart from the command (`bench`) and the reports (`bench_report`): what each number means is
-decided here, in one place, and the reports only format the results dict this returns.
+breakdown (`_summarise`), with how busy other processes kept the machine while each method was timed
+(`machine.CpuUse` around every timed call: "other_cores", "busy") and whether a DART method decoded plainly in every
+call ("plain_decoding", "plain_calls"), so that the reports can say so beside the figure. Apart from the command
+(`bench`) and the reports (`bench_report`): what each number means is decided here, in one place, and the reports
+only format the results dict this returns.
 When `gen` samples (`do_sample`: `bench_methods.sampling_kwargs`), every call is seeded right before it
 (`bench_methods.seed_call`: the same seed for every method on a prompt or batch) and outputs are not compared with
 plain's (sampled texts differ by method): `equal_to_plain` and `all_equal` are None, "not compared".
@@ -25,9 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..core.batch_budget import held_settled
-from ..core.budget import budget_policy
 from .bench_methods import Method, call_seed, seed_call
+from .machine import BUSY_CORES, CpuUse
 
 PHASES = ("draft", "tree", "verify", "accept")
 STEP = "step"  # the static greedy step, captured whole: its time is one phase (`DartStats.time["step"]`)
@@ -83,6 +85,12 @@ class _Tally:
     per_prompt: list = field(default_factory=list)
     mismatches: int = 0
     not_compiled: list = field(default_factory=list)  # why calls of a compiled DART method ran uncompiled
+    calls: int = 0
+    plain_calls: int = 0  # DART tree calls that drafted nothing (node budget 0 in every step): plain decoding
+    other_core_seconds: float = 0.0  # other processes' CPU during the timed calls (`CpuUse`), over `read_seconds`
+    read_seconds: float = 0.0  # the timed seconds whose other processes' CPU use was read (/proc/stat)
+    cores: int = 0
+    load_busy: list = field(default_factory=list)  # unread calls' busy load average (`CpuUse.busy`), in words
 
 
 # ---------------------------------------------------------------------------------------------------- the bench
@@ -108,7 +116,7 @@ class CompetingLoad:
         self.procs = []
 
 
-def run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, load, curve) -> dict:
+def run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, load) -> dict:
     """The single-row bench: every method on every prompt, `runs` interleaved passes."""
     max_new_tokens = gen["max_new_tokens"]
     with CompetingLoad(load) if load else _no_load():
@@ -129,7 +137,7 @@ def run_rows(target, head, prompts, methods, gen, warmup, progress, meta, runs, 
     return {
         "meta": {**environment(target), **(meta or {}), "max_new_tokens": max_new_tokens,
                  "prompts": {ds: len(ps) for ds, ps in prompts.items()}, "runs": runs, "competing_load": load,
-                 "verify_curve": None if curve is None else curve.path},
+},
         "methods": {m.name: m.label for m in methods},
         "datasets": {ds: _summarise([t[ds] for t in tallies], methods, _compares(gen)) for ds in prompts},
         "compile_warmup": compile_seconds,
@@ -150,13 +158,9 @@ def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]]
     """Each compiled method once on every call the timed passes make (`calls`: (ids, attention mask), a prompt or a
     left-padded batch), untimed, at the bench's full length, longest first (transformers sizes a static cache for the
     longest call so far, so the shorter ones then reuse its graph; DART's buffers are sized by a bucket of 256
-    slots): every graph the timed calls run is compiled here. A cost-aware compiled method (`Method.at_budget`) runs
-    each call at a size its policy chose: its calls first pass again until the policy has tried every size it will
-    try (`held_settled`, at most `EXPLORE_PASSES` passes), then every call runs at every tree size the policy timed,
-    which a timed call of it may hold. Returns {method: {"seconds": all its warm-up calls, "first_call_seconds",
-    "calls"}} (these seconds are not in the timed tokens/s), and for the cost-aware method "held_step_ms": its
-    policy's measured step time per "rows x size" after the warm-up (size 0: plain decoding), which its calls choose
-    by."""
+    slots): every graph the timed calls run is compiled here (a cost-aware compiled call takes its shape's size at
+    that shape's first call and keeps it: `core.budget.BudgetPolicy.call_budget`). Returns {method: {"seconds": all
+    its warm-up calls, "first_call_seconds", "calls"}} (these seconds are not in the timed tokens/s)."""
     order = sorted(calls, key=lambda call: -call[0].shape[-1])
 
     def warm(run, ids, mask) -> float:
@@ -172,23 +176,8 @@ def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]]
     for m in methods:
         times = [warm(m.run, ids, mask) for ids, mask in tqdm(order, desc=f"compile {m.name}", unit="call",
                                                               disable=not progress)]
-        if m.at_budget is not None:
-            policy = budget_policy(head, target, sampled=bool(gen.get("do_sample")))
-            for _ in range(EXPLORE_PASSES):
-                if all(held_settled(policy, ids.shape[0]) for ids, _ in order):
-                    break
-                times += [warm(m.run, ids, mask) for ids, mask in order]
-            held = [(ids, mask, size) for ids, mask in order for size in policy.held_times.trees(ids.shape[0])]
-            times += [warm(m.at_budget(size), ids, mask) for ids, mask, size in tqdm(
-                held, desc=f"compile {m.name} sizes", unit="call", disable=not progress)]
-            held_ms = {f"{rows}x{size}": 1000 * policy.held_times.median(rows, size)
-                       for rows, size in sorted(policy.held_times.seconds)}
-        out[m.name] = {"seconds": sum(times), "first_call_seconds": times[0], "calls": len(times),
-                       **({"held_step_ms": held_ms} if m.at_budget is not None else {})}
+        out[m.name] = {"seconds": sum(times), "first_call_seconds": times[0], "calls": len(times)}
     return out
-
-
-EXPLORE_PASSES = 4  # warm-up passes of a cost-aware compiled method while its policy still tries sizes
 
 
 class _no_load:
@@ -236,17 +225,22 @@ def _one_pass(target, head, prompts, methods, gen, progress, label) -> tuple[dic
 
 
 def _timed_run(m: Method, target, head, ids, mask, gen: dict, counter, tally) -> tuple[torch.Tensor, float]:
-    """(output, wall seconds) of one method call with device syncs around it; adds its time, target forwards and (for
-    DART tree methods) its steps, phase times and node budgets to `tally`. Leaves the call's forwards in
+    """(output, wall seconds) of one method call with device syncs around it; adds its time, target forwards, other
+    processes' CPU use while it ran (`CpuUse`, read outside the timed span) and (for DART tree methods) its steps,
+    phase times, node budgets and whether it decoded plainly throughout to `tally`. Leaves the call's forwards in
     `counter.count`."""
-    sync_device(ids.device)
-    start = time.perf_counter()
-    out, stats = counted_run(m, target, head, ids, mask, gen, counter)
-    sync_device(ids.device)
-    seconds = time.perf_counter() - start
+    with CpuUse() as use:
+        sync_device(ids.device)
+        start = time.perf_counter()
+        out, stats = counted_run(m, target, head, ids, mask, gen, counter)
+        sync_device(ids.device)
+        seconds = time.perf_counter() - start
     tally.seconds += seconds
     tally.forwards += counter.count
+    tally.calls += 1
+    _add_cpu_use(tally, use, seconds)
     if m.tree:
+        tally.plain_calls += int(not any(stats.node_budgets))
         tally.steps += stats.steps
         for p in ALL_PHASES:
             tally.phases[p] += stats.time.get(p, 0.0)
@@ -254,6 +248,18 @@ def _timed_run(m: Method, target, head, ids, mask, gen: dict, counter, tally) ->
         if m.compiled and not stats.compiled:
             tally.not_compiled.append(stats.static_reason or "not compiled (transformers' compile criteria)")
     return out, seconds
+
+
+def _add_cpu_use(tally: _Tally, use: CpuUse, seconds: float) -> None:
+    """One timed call's reading of other processes' CPU use into `tally`: their cores' worth of CPU weighted by the
+    call's seconds (a short call spans few /proc/stat ticks: the method's average over all its calls is the figure),
+    or where /proc/stat is unread the load average's verdict."""
+    tally.cores = use.cores
+    if use.other_cores is not None:
+        tally.other_core_seconds += use.other_cores * seconds
+        tally.read_seconds += seconds
+    elif use.busy() is not None:
+        tally.load_busy.append(use.busy())
 
 
 def counted_run(m: Method, target, head, ids, mask, gen: dict, counter: ForwardCounter):
@@ -304,7 +310,7 @@ def _eos_ids(target, gen: dict) -> list[int]:
 
 
 def run_batched(target, head, prompts, methods, gen, batch_sizes, warmup, progress, meta, runs, load,
-                curve) -> dict:
+                ) -> dict:
     """The batched bench: for every batch size, plain batched `generate` and the methods that decode a batch, run
     batch by batch (each batch runs every method before the next batch; the batch sizes take turns), outputs
     compared row by row with plain's."""
@@ -337,7 +343,7 @@ def run_batched(target, head, prompts, methods, gen, batch_sizes, warmup, progre
     return {
         "meta": {**environment(target), **(meta or {}), "max_new_tokens": gen["max_new_tokens"],
                  "prompts": {ds: len(ps) for ds, ps in prompts.items()}, "runs": runs, "competing_load": load,
-                 "verify_curve": None if curve is None else curve.path, "batch_sizes": batch_sizes,
+                 "batch_sizes": batch_sizes,
                  "skipped_for_batches": skipped},
         "methods": {m.name: m.label for m in methods},
         "batch_sizes": batch_sizes,
@@ -440,6 +446,12 @@ def _summarise(runs: list[dict[str, _Tally]], methods: list[Method], compared: b
             out.budgets += t.budgets
             out.per_prompt += t.per_prompt
             out.not_compiled += t.not_compiled
+            out.calls += t.calls
+            out.plain_calls += t.plain_calls
+            out.other_core_seconds += t.other_core_seconds
+            out.read_seconds += t.read_seconds
+            out.cores = max(out.cores, t.cores)
+            out.load_busy += t.load_busy
             for p in ALL_PHASES:
                 out.phases[p] += t.phases[p]
         return out
@@ -454,6 +466,7 @@ def _summarise(runs: list[dict[str, _Tally]], methods: list[Method], compared: b
             "accepted_length": t.new_tokens / t.forwards if t.forwards else float("nan"),
             "new_tokens": t.new_tokens,
             "seconds": t.seconds,
+            "calls": t.calls,
             "target_forwards": t.forwards,
             "equal_to_plain": t.mismatches == 0 if compared else None,
             "mismatched_prompts": t.mismatches if compared else None,
@@ -464,6 +477,10 @@ def _summarise(runs: list[dict[str, _Tally]], methods: list[Method], compared: b
             row.update(_ratios(runs, tallies, m.name, m.baseline, "speedup_vs_baseline"))
         if t.not_compiled:
             row["not_compiled"] = dict(Counter(t.not_compiled))
+        row.update(_machine_use(t))
+        if m.tree:
+            row["plain_calls"] = t.plain_calls
+            row["plain_decoding"] = t.calls > 0 and t.plain_calls == t.calls
         if m.tree and t.steps:
             phases = [p for p in ALL_PHASES if p in PHASES or t.phases[p]]  # "step": the captured static step
             step_total = sum(t.phases.values())
@@ -476,6 +493,19 @@ def _summarise(runs: list[dict[str, _Tally]], methods: list[Method], compared: b
             row["node_budget_counts"] = dict(sorted(Counter(t.budgets).items()))
         out[m.name] = row
     return out
+
+
+def _machine_use(t: _Tally) -> dict:
+    """How busy other processes kept the machine while the method's calls were timed: "other_cores" (their cores'
+    worth of CPU on average over the timed seconds; None: not read) and "busy" (why its tokens/s do not describe
+    this machine at rest, in words; None: no reason found, under `machine.BUSY_CORES`)."""
+    other = t.other_core_seconds / t.read_seconds if t.read_seconds else None
+    busy = None
+    if other is not None and other >= BUSY_CORES:
+        busy = f"other processes used {other:.1f} of the {t.cores} cores on average while its calls were timed"
+    elif t.load_busy:
+        busy = f"{t.load_busy[0]} at {len(t.load_busy)} of its {t.calls} timed calls"
+    return {"other_cores": other, "busy": busy}
 
 
 def environment(target) -> dict:

@@ -7,11 +7,11 @@ those two medians (with the pairs' range), the mean accepted length and whether 
 `generate`'s.
 
 A busy CPU is handled before timing, not explained after it: the command owns its process, so when other processes
-are using the CPU it runs torch on the cores they leave free (`calibrate.choose_threads`; torch's threads wait for
+are using the CPU it runs torch on the cores they leave free (`machine.choose_threads`; torch's threads wait for
 each other, and on a 2-core machine beside one busy process 2 threads decoded at ~1 token/s where 1 thread decoded
 at 17) and says so; `--threads` overrides. Everything after loading the target runs within `--time-limit` seconds:
 the streamed answer is cut at its share of it, and pairs stop when the next would not fit; the demo then reports what
-it measured and says that it stopped early. Other processes' CPU use during the timed runs (`calibrate.CpuUse`) is
+it measured and says that it stopped early. Other processes' CPU use during the timed runs (`machine.CpuUse`) is
 reported beside the speed-up. The thread count is restored when the command returns (`dart_hf_cli.main` may run
 inside another program's process).
 """
@@ -28,7 +28,7 @@ import torch
 from transformers import TextStreamer
 
 from .assets import announce_installs, load_target, shipped_head
-from .calibrate import CpuUse, ThreadChoice, choose_threads
+from .machine import CpuUse, ThreadChoice, choose_threads
 from .datasets import chat_input_ids
 from ..core.modeling import DartHead
 from ..core.target import check_head_matches_target, prepare_head
