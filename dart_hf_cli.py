@@ -109,7 +109,7 @@ def _bench(sub) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--hindsight", action="store_true",
                    help="the default tree size (dart_tree_auto; with --compiled dart_compiled_auto) against plain "
-                   "generate and every fixed size of --budget (default: 1 2 3 5 8), interleaved, and the best of them "
+                   "generate and every fixed size of --budget (without it: 1 2 3 5 8), interleaved, and the best of them "
                    "in hindsight beside it")
     p.add_argument("--out", default="runs/bench", help="output folder for results.json / .md / .png")
     p.add_argument("--synthetic", action="store_true",

@@ -4,7 +4,8 @@
 #     bash examples/gpu_check.sh            # results under $OUT (default runs/gpu_check)
 #
 # 1. lossless + cost-aware budget on CUDA with a tiny random target (fp32 and bf16): DART output == generate,
-#    the verify cost curve is calibrated with CUDA syncs and written, head.stats reports the chosen budgets (~30 s);
+#    the verify cost by tree size is measured with CUDA syncs and printed (nothing is stored: the size rule times
+#    its own steps), head.stats reports the chosen budgets and the policy its step times by size (~30 s);
 # 2. `dart-hf bench --synthetic` with SDPA: a random Qwen3-8B-shaped target in bf16 -> verify cost by tree size,
 #    per-phase DART step times by node budget, head + tree search share of a step (~1-2 min);
 # 3. compiled rows on the synthetic Qwen3-8B shape: plain eager, plain static cache + torch.compile, DART eager and
@@ -54,7 +55,7 @@ import json, os, torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 import dart_hf
 from dart_hf.core.budget import budget_policy
-from dart_hf.tools.calibrate import calibrate
+from dart_hf.tools.verify_cost import measure_verify_cost
 
 report = {}
 for dtype in (torch.float32, torch.bfloat16):
@@ -66,7 +67,7 @@ for dtype in (torch.float32, torch.bfloat16):
         with torch.no_grad():
             target.lm_head.weight.mul_(8.0)
         head = dart_hf.DartHead.from_target(target, draft_length=4, node_budget=None, tree_top_k=32, beam_width=8).eval()
-    curve, problems = calibrate(target, sizes=(1, 2, 4, 8, 16, 32, 64), repeats=3)
+    cost = measure_verify_cost(target, sizes=(1, 2, 4, 8, 16, 32, 64), repeats=3)  # a measurement, not stored
     g = torch.Generator().manual_seed(1)
     equal, budgets = [], []
     for i in range(6):
@@ -79,9 +80,10 @@ for dtype in (torch.float32, torch.bfloat16):
     policy = budget_policy(head, target)
     report[str(dtype)] = {"all_equal": all(equal), "equal": equal, "budgets_first_prompt": budgets[0],
                           "policy": {"candidates": policy.candidates, "choice": policy.choice,
-                                     "tokens_per_second": policy.tokens_per_second().tolist()},
-                          "curve_problems": problems,
-                          "cost_ms": None if curve is None else [round(1e3 * s, 3) for s in curve.seconds]}
+                                     "step_ms": [round(1e3 * s, 3) for s in policy.prices(1).tolist()],
+                                     "expected_accepted": policy.expected_at(policy.candidates).tolist()},
+                          "verify_ms": dict(zip(cost.sizes, (round(1e3 * s, 3) for s in cost.seconds))),
+                          "verify_machine": cost.record["machine"]}
 for name, r in report.items():
     print(name, json.dumps(r, default=str))
 # fp32 must be exact; bf16 may differ on near-tied logits (batched vs one-token kernels), reported only

@@ -63,9 +63,9 @@ def scripted_budgets(target, head, script: list[int], prompt_lookup: bool | None
             self.turn += 1
             return script[(self.turn - 1) % len(script)]
 
-        def observe(self, rows, budget, *rest) -> None:
+        def observe(self, rows, budget, *rest, **kw) -> None:
             self.observed.append((rows, budget))
-            super().observe(rows, budget, *rest)
+            super().observe(rows, budget, *rest, **kw)
 
     state = BudgetState()
     lookup = head.config.prompt_lookup if prompt_lookup is None else prompt_lookup
