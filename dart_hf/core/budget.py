@@ -46,7 +46,6 @@ import torch
 
 from .distributed import shared_budget, tensor_parallel_group
 from .drafter import batch_bucket
-from .stats import PhaseTimer
 from .tree import DraftTrees
 
 LADDER = (1, 2, 3, 5, 8, 13, 21, 34, 60)  # the tree sizes (nodes besides the root) a step may take; 0: plain decoding
@@ -159,10 +158,26 @@ class BudgetPolicy:
     def expected_at(self, sizes: Sequence[int], call: CallAcceptance | None = None) -> np.ndarray:
         """E[accepted draft tokens | B] at each of `sizes` (0 for plain decoding; nan where never observed), blended
         with the `call`'s own counts (`CallAcceptance`)."""
+        return self._estimates(sizes, call)[0]
+
+    def _estimates(self, sizes: Sequence[int], call: CallAcceptance | None) -> tuple[np.ndarray, np.ndarray]:
+        """(E[accepted | B], its upper bound) at `sizes`, from one blend of the counts. The bound: E plus one standard
+        error, sqrt((1 + E) / n) over the n (discounted) observations of rank B (an accepted length's spread grows
+        with its mean); past the largest rank ever drafted, its acceptance rate continues (ranks are in score order,
+        so later ones accept no more); nan before any tree; plain decoding's 0 is exact."""
         inc, obs = self._counts(call)
         rate = np.divide(inc, obs, out=np.zeros_like(inc), where=obs > 0)
+        total = np.cumsum(rate)
         sizes = np.asarray(sizes, dtype=np.int64)
-        return np.where((obs[sizes] > 0) | (sizes == 0), np.cumsum(rate)[sizes], np.nan)
+        expected = np.where((obs[sizes] > 0) | (sizes == 0), total[sizes], np.nan)
+        seen = np.flatnonzero(obs > 0)
+        if len(seen) <= 1:
+            return expected, np.where(sizes == 0, 0.0, np.nan)
+        last = int(seen[-1])
+        at = np.minimum(sizes, last)
+        extended = total[at] + rate[last] * (sizes - at)
+        spread = np.sqrt((1.0 + extended) / np.maximum(obs[at], 1e-3))
+        return expected, np.where(sizes == 0, 0.0, extended + spread)
 
     @staticmethod
     def _lower_bounds(expected: np.ndarray) -> np.ndarray:
@@ -178,32 +193,15 @@ class BudgetPolicy:
         prior = np.minimum(_CALL_PRIOR, self.obs) / np.maximum(self.obs, 1e-12)  # the shared counts, scaled
         return prior * self.inc + call.inc, prior * self.obs + call.obs
 
-    def hoped_at(self, sizes: Sequence[int], call: CallAcceptance | None = None) -> np.ndarray:
-        """An upper bound of E[accepted | B] at `sizes`: E plus one standard error, sqrt((1 + E) / n) over the n
-        (discounted) observations of rank B (an accepted length's spread grows with its mean); past the largest
-        rank ever drafted, its acceptance rate continues (ranks are in score order, so later ones accept no more).
-        nan before any tree; plain decoding's 0 is exact."""
-        inc, obs = self._counts(call)
-        seen = np.flatnonzero(obs > 0)
-        if len(seen) <= 1:
-            return np.where(np.asarray(sizes) == 0, 0.0, np.nan)
-        last = int(seen[-1])
-        rate = np.divide(inc, obs, out=np.zeros_like(inc), where=obs > 0)
-        sizes = np.asarray(sizes, dtype=np.int64)
-        at = np.minimum(sizes, last)
-        expected = np.cumsum(rate)[at] + rate[last] * (sizes - at)
-        spread = np.sqrt((1.0 + expected) / np.maximum(obs[at], 1e-3))
-        return np.where(sizes == 0, 0.0, expected + spread)
-
     def prices(self, rows: int) -> np.ndarray:
         """T(B) per candidate for a step of `rows` rows: measured, or on the line through the measured sizes (module
         docstring); nan where nothing is measured to go by."""
         state = self.buckets.get(batch_bucket(rows))
-        timed = {} if state is None else {b: state.median(b) for b in state.times}
-        points = sorted((b, t) for b, t in timed.items() if t is not None)
+        timed = {} if state is None else {b: state.median(b) for b in state.times}  # (a size is there once timed)
+        points = sorted(timed.items())
         out = np.full(len(self.candidates), np.nan)
         if not any(b > 0 for b, _ in points):
-            out[0] = timed.get(0) if timed.get(0) is not None else np.nan
+            out[0] = timed.get(0, np.nan)
             return out
         xs, ys = np.array([b for b, _ in points], float), np.array([t for _, t in points], float)
         sizes = np.asarray(self.candidates, float)
@@ -228,10 +226,11 @@ class BudgetPolicy:
             prices = self.prices(rows)
             if np.isnan(prices[1:]).all():
                 return self._first_tree()
-            expected = self._lower_bounds(self.expected_at(self.candidates, call))
+            observed, bound = self._estimates(self.candidates, call)
+            expected = self._lower_bounds(observed)
             tps = (1.0 + expected) / prices
             state.choice = self.candidates[int(np.nanargmax(tps))]
-            hope = np.where(np.isnan(h := self.hoped_at(self.candidates, call)), expected, h)
+            hope = np.where(np.isnan(bound), expected, bound)
             hoped = (1.0 + hope) / prices
             i = self.candidates.index(state.choice)
             hoped[i] = -np.inf
@@ -264,6 +263,12 @@ class BudgetPolicy:
             return self.held[shape]
 
 
+def wants_size_rule(head, requested) -> bool:
+    """Whether a call's tree size is the size rule's: `dart_node_budget="auto"`, or none asked for on a head whose
+    config has `node_budget=None` (tree and chain mode alike)."""
+    return requested == "auto" or (requested is None and head.config.node_budget is None)
+
+
 class CallBudget:
     """The node budget of one call's steps as the loop sees it: `next` before a step, `observe` after it, one call
     each. A fixed budget stays fixed. The cost-aware one is the policy's, each step timed whole by this call (from
@@ -272,8 +277,8 @@ class CallBudget:
     (compiled steps are not the eager steps the rule prices). A tensor-parallel target takes the first rank's choice
     on every rank."""
 
-    def __init__(self, policy: BudgetPolicy | None, fixed: int, target, timer: PhaseTimer):
-        self.policy, self.fixed, self.timer, self.target = policy, fixed, timer, target
+    def __init__(self, policy: BudgetPolicy | None, fixed: int, target):
+        self.policy, self.fixed, self.target = policy, fixed, target
         self.group = tensor_parallel_group(target) if policy is not None else None
         self.held = policy is None
         self.rows, self.started, self.previous, self.repeat = 0, 0.0, -1, None
@@ -282,10 +287,6 @@ class CallBudget:
     @property
     def mode(self) -> str:
         return "fixed" if self.policy is None else "auto"
-
-    def latest(self, budget: int) -> int:
-        """The tree size in force at the end of the call (`DartStats.node_budget`): the last step's budget."""
-        return budget
 
     def call_budget(self, rows: int, shape: tuple) -> int:
         """The one tree size of a call that cannot change it per step: the fixed one, or the policy's for the call's
@@ -373,4 +374,4 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
 
 
 __all__ = ["BudgetPolicy", "BudgetState", "CallAcceptance", "CallBudget", "LADDER", "START", "budget_policy",
-           "path_ranks"]
+           "path_ranks", "wants_size_rule"]

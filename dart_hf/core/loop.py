@@ -35,7 +35,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .acceptance import BatchAccepted, StepAcceptance
-from .budget import BudgetPolicy, CallBudget, budget_policy
+from .budget import CallBudget, budget_policy, wants_size_rule
 from .checks import (check_cache, check_call, check_embeds, check_inputs, check_model_inputs, check_node_budget,
                      check_padding, check_processors, eager_cache, is_batch, prepare_call)
 from .distributed import check_tensor_parallel_call
@@ -94,7 +94,7 @@ def dart_decode(
     stats.reset(mode="tree", budget_mode="fixed", node_budget=None)
     timer = PhaseTimer(stats.time, head.device, dart_timing)
     lookup = head.config.prompt_lookup if dart_prompt_lookup is None else bool(dart_prompt_lookup)
-    budgets = _call_budget(head, model, dart_node_budget, lookup, dart_budget_state, timer, bool(config.do_sample))
+    budgets = _call_budget(head, model, dart_node_budget, lookup, dart_budget_state, bool(config.do_sample))
     rows = Rows(input_ids, torch.ones_like(input_ids) if mask is None else mask.to(torch.long))
     keep = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
     accept = StepAcceptance(logits_processor, bool(config.do_sample), rows, keep, model.device)
@@ -132,7 +132,7 @@ def dart_decode(
     out_stream.flush([], total)
     if dart_streamer is not None:
         dart_streamer.end()
-    stats.node_budget = budgets.latest(budget)
+    stats.node_budget = budget
     stats.static, stats.compiled, stats.static_reason = backend.static, backend.compiled, backend.reason
     return result(rows, total, pad_id, config, keep, cache=backend.returned_cache)
 
@@ -142,7 +142,6 @@ def _check(model, head, input_ids, mask, logits_processor, config, model_kwargs,
     """Every refusal of a tree call, before anything changes (`checks.py`; a tensor-parallel target: every rank the
     same call, `distributed.check_tensor_parallel_call`). The prompt's own checks (`check_inputs`) are chain mode's
     too; `mask` is None where transformers dropped an all-ones mask (its length: `check_model_inputs`)."""
-
     check_call(model, head, input_ids, config, model_kwargs)
     check_embeds(model_kwargs)
     check_inputs(model, input_ids, mask, "tree")
@@ -156,14 +155,13 @@ def _check(model, head, input_ids, mask, logits_processor, config, model_kwargs,
                                do_sample=bool(config.do_sample))
 
 
-def _call_budget(head: DartHead, model, requested, lookup: bool, state, timer: PhaseTimer,
-                 sampled: bool) -> CallBudget:
-    """The call's budget: the size rule for "auto" (or a head config's `node_budget=None`; sampled and greedy calls
-    learn apart), else fixed (the request, or the head config's)."""
-    if requested == "auto" or (requested is None and head.config.node_budget is None):
-        policy: BudgetPolicy | None = budget_policy(head, model, prompt_lookup=lookup, state=state, sampled=sampled)
-        return CallBudget(policy, policy.choice, model, timer)  # (`fixed`: the size a chain-mode call would take)
-    return CallBudget(None, head.config.node_budget if requested is None else requested, model, timer)
+def _call_budget(head: DartHead, model, requested, lookup: bool, state, sampled: bool) -> CallBudget:
+    """The call's budget: the size rule's (`wants_size_rule`; sampled and greedy calls learn apart), else fixed (the
+    request, or the head config's)."""
+    if wants_size_rule(head, requested):
+        policy = budget_policy(head, model, prompt_lookup=lookup, state=state, sampled=sampled)
+        return CallBudget(policy, policy.choice, model)  # (`fixed`: the size the eager drafter is made for)
+    return CallBudget(None, head.config.node_budget if requested is None else requested, model)
 
 
 def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig, model_kwargs: dict,

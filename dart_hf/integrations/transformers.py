@@ -45,7 +45,7 @@ from transformers import GenerationMixin, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..core.budget import budget_policy
+from ..core.budget import budget_policy, wants_size_rule
 from ..core.checks import check_node_budget, check_processors, check_prompt, check_stats, prepare_call, prompt_ids
 from ..core.distributed import check_tensor_parallel_call, shared_budget, tensor_parallel_group
 from ..core.drafter import DartDrafter, draft_depth
@@ -312,7 +312,7 @@ def _chain_call(request: _ChainRequest, model, generation_config) -> _ChainCall:
     `shared_budget`)."""
     head, stats = prepare_call(request.head, model, request.stats)
     lookup = request.head.config.prompt_lookup if request.prompt_lookup is None else bool(request.prompt_lookup)
-    auto = request.node_budget == "auto" or (request.node_budget is None and head.config.node_budget is None)
+    auto = wants_size_rule(request.head, request.node_budget)
     if auto:
         chosen = _auto_budget(request.head, model, lookup, bool(generation_config.do_sample))
     else:
