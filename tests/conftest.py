@@ -26,7 +26,7 @@ from transformers import (AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTr
                           Qwen3Config)
 
 import dart_hf
-from dart_hf.core.eager_step import RaggedCache, decode_cache
+from dart_hf.core.step import RowSlots, commit, decode_cache
 from dart_hf.core.target import cache_kwargs
 from transformers.generation.configuration_utils import CompileConfig
 
@@ -105,7 +105,7 @@ def make_target(arch: str = "llama", seed: int = 0, attn: str = "sdpa", **overri
 @torch.no_grad()
 def prefilled(target, prefix: torch.Tensor) -> DynamicCache:
     """A cache holding `prefix`, from one target forward (the state a verify step starts from: every layer full,
-    as a DART call keeps it, `eager_step.decode_cache`)."""
+    as a DART call keeps it, `step.decode_cache`)."""
     cache = decode_cache(target.config)
     target(input_ids=prefix, use_cache=True, **cache_kwargs(target, cache))
     return cache
@@ -113,9 +113,10 @@ def prefilled(target, prefix: torch.Tensor) -> DynamicCache:
 
 def compact_cache(target, cache: DynamicCache, past_len: int, path: torch.Tensor) -> None:
     """Keep the accepted `path` (tree node indices, root first) of the tree verified after `past_len` committed
-    tokens, as a DART step commits it (`RaggedCache.commit` on one row)."""
-    valid = torch.ones(1, past_len, dtype=torch.bool)
-    RaggedCache(cache, valid, target.config).commit(path.view(1, -1), torch.tensor([path.numel()]))
+    tokens, as a DART step commits it (`step.commit` on one row)."""
+    end = torch.tensor([past_len])
+    commit(cache, RowSlots.of([0], 1 << 30, "cpu"), end, past_len, path.view(1, -1), torch.tensor([path.numel()]),
+           past_len + path.numel())
 
 
 def check_closed(tree) -> None:
@@ -306,7 +307,7 @@ class HostSyncs(TorchFunctionMode):
 
 
 def step_host_reads(monkeypatch, backend) -> tuple[list[list[str]], list]:
-    """Record, per call of `backend.step` (`EagerStep`, `StaticStep`) from now on, the host reads it makes
+    """Record, per call of `DartStep.step` from now on, the host reads it makes
     (`HostSyncs`) and what it returns: (reads, results), lists the steps fill."""
     reads, results, step = [], [], backend.step
 

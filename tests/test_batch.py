@@ -15,7 +15,7 @@ from dart_hf import DartStats
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTrees
 from test_sliding_window import chain_tree
-from dart_hf.core import acceptance, eager_step
+from dart_hf.core import acceptance, step
 
 PAD = 2
 
@@ -138,24 +138,6 @@ def test_plain_steps_have_the_head_read_waiting_states_in_blocks(llama_ngram):
     torch.testing.assert_close(read_in_blocks.scores, waited.scores)
 
 
-def test_holes_compacted_often_stay_lossless(llama_ngram, monkeypatch):
-    target, head = llama_ngram
-    compactions = []
-    original = eager_step.RaggedCache.compact
-
-    def eager(self):
-        self.min_holes = 1
-        done = original(self)
-        compactions.append(done)
-        return done
-
-    monkeypatch.setattr(eager_step.RaggedCache, "compact", eager)
-    ids, mask = left_pad(batch_prompts(5, seed=13))
-    ref = plain(target, ids, mask, max_new_tokens=40)
-    assert torch.equal(dart(target, head, ids, mask, max_new_tokens=40), ref)
-    assert any(compactions), "the cache never compacted: the test did not exercise it"
-
-
 CUDA = torch.cuda.is_available()
 NO_CPU_FLEX = "torch 2.13's CPU flex kernel fails to compile batched masks (plain batched generate fails the same way)"
 ATTNS = ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.skipif(not CUDA, reason=NO_CPU_FLEX))]
@@ -164,7 +146,8 @@ ATTNS = ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.skipi
 @torch.no_grad()
 @pytest.mark.parametrize("attn", ATTNS)
 def test_batched_verify_logits_equal_per_path_forwards(attn):
-    """Each row's tree sees exactly its own committed tokens: left padding and the holes of a commit are masked."""
+    """Each row's tree sees exactly its own committed tokens: left padding and the slots a row has not reached (rows
+    accept different lengths) are masked."""
     from test_verify import random_tree
 
     from dart_hf.core.acceptance import accept_nodes
@@ -178,18 +161,22 @@ def test_batched_verify_logits_equal_per_path_forwards(attn):
     cache = DynamicCache(config=target.config)
     target(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
            **cache_kwargs(target, cache))
-    state = eager_step.RaggedCache(cache, mask.bool(), target.config)
+    lefts = (mask == 0).sum(dim=1).tolist()
+    slots, spec = step.RowSlots.of(lefts, 1 << 30, device), step.StepSpec.of(target, [0])
+    end = torch.full((3,), ids.shape[1], device=device)
     texts = [r[0] for r in rows]
-    for step in range(2):
-        trees = DraftTrees.stack([random_tree(96, seed=10 * step + i, budget=4 + 5 * i).to(device) for i in range(3)])
-        logits = eager_step.verify_batch(target, trees, state, [0])[0]
+    for k in range(2):
+        trees = DraftTrees.stack([random_tree(96, seed=10 * k + i, budget=4 + 5 * i).to(device) for i in range(3)])
+        start = cache.get_seq_length()
+        logits = step.verify(target, cache, spec, trees, slots, end)[0]
         for r, tree in enumerate(trees.trees):
             for i in range(tree.size):
                 path = tree.ancestor_mask[i].nonzero().squeeze(1)
                 seq = torch.cat([texts[r], tree.tokens[path]]).unsqueeze(0)
                 torch.testing.assert_close(logits[r, i], target(input_ids=seq).logits[0, -1], atol=1e-4, rtol=1e-4)
         acc = accept_nodes(trees, logits)
-        state.commit(acc.paths, acc.lengths)  # rows accept different lengths: holes
+        step.commit(cache, slots, end, start, acc.paths, acc.lengths, int((end + acc.lengths).max()))
+        end = end + acc.lengths  # rows accept different lengths: a row's unreached slots lie before the next tree
         texts = [torch.cat([texts[r], trees.tokens[r, acc.paths[r, : int(acc.lengths[r])]]]) for r in range(3)]
 
 
@@ -479,12 +466,14 @@ def test_sliding_window_batches_equal_plain_batched_generate(model_type, monkeyp
     want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=PAD)
     oracle_rows = {tuple(r[0].tolist()): want[i, ids.shape[1]:] for i, r in enumerate(rows)}
     original = DartDrafter.propose
-    depths = iter(list(range(1, 9)) * 40)
+    depths, proposed = iter(list(range(1, 9)) * 40), []
 
     def propose(self, max_new, timer, node_budget=None):
         texts = [self.texts(b) for b in range(len(max_new))]
         original(self, max_new, timer, node_budget)  # the drafter's own state machine runs as it is
-        return DraftTrees.stack([row_tree(text, limit) for text, limit in zip(texts, max_new)])
+        trees = DraftTrees.stack([row_tree(text, limit) for text, limit in zip(texts, max_new)])
+        proposed.append([row.size // 2 for row in trees.trees])  # each row's true chain's length
+        return trees
 
     def row_tree(text, limit):
         for prompt, cont in oracle_rows.items():
@@ -496,13 +485,13 @@ def test_sliding_window_batches_equal_plain_batched_generate(model_type, monkeyp
         raise AssertionError("unknown row")
 
     monkeypatch.setattr(DartDrafter, "propose", propose)
-    commit, longest = eager_step.RaggedCache.commit, []
-    monkeypatch.setattr(eager_step.RaggedCache, "commit",
-                        lambda self, paths, lengths: (longest.append(int(lengths.max())), commit(self, paths, lengths)))
+    stats = dart_hf.DartStats()
     out = target.generate(ids, attention_mask=mask, assistant_model=head, do_sample=False, max_new_tokens=24,
-                          pad_token_id=PAD)
+                          pad_token_id=PAD, dart_stats=stats)
     assert torch.equal(out, want)
-    assert max(longest) > 4 + 1  # a row accepted a path deeper than the window
+    # a step where every row accepted its whole true chain (+ the target's token), one of them deeper than the window
+    whole = [p for p, got in zip(proposed, stats.accepted_lengths) if got == sum(n + 1 for n in p)]
+    assert any(max(p) > 4 for p in whole), (proposed, stats.accepted_lengths)
 
 
 # ---------------------------------------------------------------------------------------------- pipelines

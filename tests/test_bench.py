@@ -357,14 +357,14 @@ def test_profile_counts_aten_ops_and_host_syncs_per_step(bench_tiny, tmp_path):
     assert profile["plain"]["steps"] == profile["plain_compiled"]["steps"] == 12  # plain: a step per new token
     static = profile["dart_compiled_3"]
     assert static["steps"] == results["datasets"]["x"]["dart_compiled_3"]["steps"]
-    # The static greedy step reads the device once per step (`static_step._host_result`: one tolist of length +
+    # The static greedy step reads the device once per step (`DartStep._host_result`: one tolist of length +
     # tokens). The loop's bookkeeping then reads two host tensors per step (`loop._append`: the stop positions and the
     # lengths, tolist; on a GPU they are CPU tensors already, no sync, but on this CPU every read counts), and a
     # few reads fall outside the steps (prefill, first token, the end, the call's input checks: the ids' range):
     # 3 per step plus at most 14.
     assert static["host_reads"]["tolist"] <= 3 * static["steps"] + 14
     assert static["host_syncs"] <= 3 * static["steps"] + 14
-    eager = profile["dart_tree_3"]  # the eager step reads the accepted lengths once too (`EagerStep.step`)
+    eager = profile["dart_tree_3"]  # the eager step reads the accepted lengths once too (`DartStep.step`)
     assert eager["host_syncs"] <= 3 * eager["steps"] + 14
     md = (tmp_path / "results.md").read_text()
     assert "## Profile: aten ops and host syncs per step" in md and "| x | DART, static cache + compile, budget 3 |" in md

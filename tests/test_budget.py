@@ -13,7 +13,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 import dart_hf
 from conftest import accept_greedy, check_closed, compact_cache, make_head, make_target, prompts
 from dart_hf.core.budget import LADDER, BudgetPolicy, BudgetState, CallAcceptance, budget_policy, path_ranks
-from dart_hf.core.eager_step import decode_cache, verify_tree
+from dart_hf.core.step import decode_cache, verify_tree
 from dart_hf.core.rows import first_stops
 from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
 

@@ -21,7 +21,7 @@ from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenal
 
 import dart_hf
 from conftest import compile_config, left_padded, make_head, make_target, prompts, step_host_reads
-from dart_hf.core import acceptance, eager_step, static_step
+from dart_hf.core import acceptance, step
 from dart_hf.core.tree import DraftTrees, ancestor_mask
 
 Z_999 = 3.090  # the standard normal's 99.9% quantile
@@ -224,7 +224,7 @@ QWEN3_SAMPLING = dict(do_sample=True, temperature=0.6, top_p=0.95, top_k=20)
 
 def test_a_sampled_eager_step_reads_back_once(qwen3, monkeypatch):
     target, head = qwen3
-    reads, _ = step_host_reads(monkeypatch, eager_step.EagerStep)
+    reads, _ = step_host_reads(monkeypatch, step.DartStep)
     stats = dart_hf.DartStats()
     torch.manual_seed(0)  # the rows' seeds: a text of 30 tokens (no early EOS), at most 7 a step
     target.generate(prompts(1, seed=60)[0], assistant_model=head, max_new_tokens=30, dart_node_budget=6,
@@ -256,7 +256,7 @@ def test_the_sampled_static_step_is_captured_whole_reads_back_once_and_is_not_re
         steps += stats.steps
     assert steps >= 20
     assert counters["stats"]["unique_graphs"] == graphs, "a step was captured again (recompilation)"
-    reads, _ = step_host_reads(monkeypatch, static_step.StaticStep)
+    reads, _ = step_host_reads(monkeypatch, step.DartStep)
     target.generate(ids, attention_mask=mask, assistant_model=head, max_new_tokens=20, **kw)
     assert len(reads) >= 3 and all(r == ["tolist"] for r in reads), reads[:3]
 

@@ -21,7 +21,7 @@ from conftest import SLIDING, SLIDING_WINDOW, compact_cache, prefilled, sliding_
 from dart_hf.core.drafter import DartDrafter
 from dart_hf.core.tree import DraftTree, ancestor_mask
 from dart_hf.core.tree import DraftTrees
-from dart_hf.core.eager_step import verify_tree
+from dart_hf.core.step import verify_tree
 from dart_hf.tools.targets import tiny_config
 
 WINDOW = SLIDING_WINDOW
@@ -29,7 +29,7 @@ WINDOW = SLIDING_WINDOW
 
 def chain_tree(root: int, truth: list[int], wrong: list[int]) -> DraftTree:
     """Root, then at each depth a wrong sibling FIRST and the true token second (so the accepted path is not a
-    prefix of the node order and compaction must move rows), the true node carrying the next level."""
+    prefix of the node order and the commit must move entries), the true node carrying the next level."""
     tokens, parents, depths, parent = [root], [0], [0], 0
     for d, (good, bad) in enumerate(zip(truth, wrong), start=1):
         tokens += [bad, good]

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 import dart_hf
 from conftest import compile_config, left_padded, make_head, make_target, prompts, sliding_target, step_host_reads
-from dart_hf.core import static_step
+from dart_hf.core import step as static_step
 
 STATIC = dict(cache_implementation="static", disable_compile=True)  # the fixed-shape step, run eagerly
 
@@ -127,7 +127,7 @@ def test_static_step_seeded_sampling_gives_the_eager_budget_0_text(processor):
         assert not torch.equal(target.generate(ids, assistant_model=head, dart_node_budget=6, **kw, **STATIC), ref)
 
 
-def test_calls_the_static_step_cannot_take_run_the_eager_loop_and_say_why(llama, llama_head):
+def test_calls_the_static_step_cannot_take_run_over_a_dynamic_cache_and_say_why(llama, llama_head):
     # a batch whose acceptance is not on the device: a custom processor (sampled or not), or returned scores (a
     # sampled batch with the generation config's processors takes the static step: tests/test_sampling_device.py)
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -141,20 +141,27 @@ def test_calls_the_static_step_cannot_take_run_the_eager_loop_and_say_why(llama,
     stats = dart_hf.DartStats()
     llama.generate(ids, assistant_model=llama_head, do_sample=True, max_new_tokens=12, dart_stats=stats, **STATIC)
     assert stats.static and stats.acceptance == "device" and stats.static_reason is None, stats.static_reason
-    # sliding-window layers
-    target = sliding_target("mistral")
-    head = make_head(target)
-    ids = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(1))
-    out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12, dart_stats=stats,
-                          eos_token_id=None, **STATIC)
-    assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None))
-    assert not stats.static and "sliding-window" in stats.static_reason
     # node budget 0 (plain decoding) and a text past the context
     stats = dart_hf.DartStats()
     llama.generate(ids, assistant_model=llama_head, max_new_tokens=5, dart_node_budget=0, dart_stats=stats, **STATIC)
     assert "node budget 0" in stats.static_reason
     llama.generate(ids, assistant_model=llama_head, max_length=300, dart_stats=stats, **STATIC)
     assert "past the target's context" in stats.static_reason
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "gpt_oss"])
+def test_sliding_window_targets_take_the_static_step_and_equal_plain(model_type):
+    """Every layer of the static cache is full and the masks apply the windows (one per layer type), as over a
+    dynamic cache: a window of 4 cuts in every step."""
+    target = sliding_target(model_type)
+    head = make_head(target)
+    for seed in (1, 2):
+        ids = torch.randint(3, 64, (1, 9), generator=torch.Generator().manual_seed(seed))
+        stats = dart_hf.DartStats()
+        out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=20, dart_stats=stats,
+                              eos_token_id=None, dart_node_budget=6, **STATIC)
+        assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=20, eos_token_id=None))
+        assert stats.static and stats.static_reason is None, stats.static_reason
 
 
 def test_a_dynamic_call_reports_no_static_step(llama, llama_head):
@@ -188,7 +195,7 @@ def test_step_is_one_graph_with_no_recompilation_across_steps_and_calls(qwen3):
 
 def test_a_greedy_step_reads_back_once_and_hands_the_loop_host_tensors(qwen3, monkeypatch):
     target, head = qwen3
-    reads, returned = step_host_reads(monkeypatch, static_step.StaticStep)
+    reads, returned = step_host_reads(monkeypatch, static_step.DartStep)
     ids = prompts(1, seed=30)[0]
     target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=30, dart_node_budget=4,
                     cache_implementation="static", compile_config=compile_config())
@@ -362,7 +369,7 @@ def test_the_batched_static_step_is_captured_whole_reads_back_once_and_is_not_re
     assert steps >= 20
     assert counters["stats"]["unique_graphs"] == graphs, "a step was captured again (recompilation)"
     # counted after the capture: a torch function mode is another graph context
-    reads, _ = step_host_reads(monkeypatch, static_step.StaticStep)
+    reads, _ = step_host_reads(monkeypatch, static_step.DartStep)
     target.generate(ids, assistant_model=head, max_new_tokens=20, **{**kw, "attention_mask": mask})
     assert len(reads) >= 3 and all(r == ["tolist"] for r in reads), reads[:3]
 
@@ -379,7 +386,7 @@ def test_one_rounding_rule_sizes_every_buffer_of_a_step():
     for max_length in (230, 240, 247, 256, 257):
         config = GenerationConfig(max_length=max_length, do_sample=False, eos_token_id=None)
         config._eos_token_tensor = None
-        step, reason = static_step.static_step(target, head, ids, None, config, 8, True, [0, 3, 5], True)
+        step, reason = static_step.fixed_step(target, head, ids, None, config, 8, True, [0, 3, 5], True)
         assert reason is None
         shapes[max_length] = (step.cache.layers[0].max_cache_len, tuple(step.drafter.kv.k.shape), tuple(step.drafter.text.shape))
     assert bucket(240) == bucket(247) == bucket(256) == 256 and bucket(257) == 512

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import compact_cache, make_head, make_target, prefilled, prompts, scripted_budgets
-from dart_hf.core.eager_step import RaggedCache, verify_tree
+from dart_hf.core.step import RowSlots, StepSpec, verify_mask, verify_tree
 from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
 
 
@@ -39,8 +39,9 @@ def test_flex_attention_block_mask_matches_dense_mask():
     dense = verify_tree(dense_target, tree, prefilled(dense_target, prefix), past_len=7)
     flex = verify_tree(flex_target, tree, prefilled(flex_target, prefix), past_len=7)
     torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
-    mask = RaggedCache(prefilled(flex_target, prefix), torch.ones(1, 7, dtype=torch.bool), flex_target.config
-                       ).verify_mask(DraftTrees.stack([tree]), "flex_attention", torch.float32)
+    trees = DraftTrees.stack([tree])
+    mask = verify_mask(StepSpec.of(flex_target, [0]), trees, RowSlots.of([0], 64, "cpu"), torch.tensor([7]), 7,
+                       7 + trees.width, 7 + trees.depths, torch.float32)
     assert type(mask).__name__ == "BlockMask"
 
 

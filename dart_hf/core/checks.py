@@ -1,6 +1,6 @@
 """What a DART tree call checks before any work: every input it could not honour as plain `generate` does is refused
 with the argument to blame (never a silent difference), the head is checked against the target and placed for it,
-and the cache it decodes into is made (`eager_step.decode_cache`). Chain mode shares `check_prompt` / `check_inputs`,
+and the cache it decodes into is made (`step.decode_cache`). Chain mode shares `check_prompt` / `check_inputs`,
 `check_node_budget`, `check_stats`, `check_processors` and `prepare_call`.
 """
 
@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 from .modeling import DartHead
-from .eager_step import decode_cache
+from .step import decode_cache
 from .stats import DartStats
 from .support import check_tree_target
 from .target import prepare_head
@@ -205,7 +205,7 @@ def check_cache(model_kwargs: dict) -> None:
 
 def eager_cache(model, model_kwargs: dict) -> DynamicCache:
     """The cache the eager step decodes into: the caller's `DynamicCache` or a new one, its sliding-window layers
-    made full (`eager_step.decode_cache`: the verify masks apply the windows)."""
+    made full (`step.decode_cache`: the verify masks apply the windows)."""
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
     return decode_cache(model.config, cache if isinstance(cache, DynamicCache) else None)
 

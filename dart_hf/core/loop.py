@@ -7,9 +7,9 @@ everything (GenerationConfig, logits processors and warpers, stopping criteria i
 then hands over to it, either through `custom_generate=dart_decode` or through the `assistant_model=DartHead` routing
 installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
 
-The two backends (`StepBackend`): `eager_step.EagerStep` (a `DynamicCache` with ragged rows, any budget per step, any
-batch) and `static_step.StaticStep` (a `StaticCache`, one budget and one row per call, the step captured by
-`torch.compile`). Both draft with `drafter.DartDrafter`, verify with `target.target_forward` and accept with the
+The step (`step.DartStep`): over a `DynamicCache` (any tree size per step, finished rows leave the batch) or, where the
+call asks for a static cache, a `StaticCache` with every shape fixed (one tree size per call, the step captured by
+`torch.compile`). It drafts with `drafter.DartDrafter`, verifies with `target.target_forward` and accepts with the
 call's `acceptance.StepAcceptance`. The node budget of each step is `budget.CallBudget`'s. Refusals: `checks.py`; the
 rows as `generate` holds, returns and streams them, and where each row stops: `rows.py`.
 
@@ -29,8 +29,6 @@ plain decoding for the whole call, transformers' own loop (`_plain_call`): plain
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
@@ -40,32 +38,13 @@ from .checks import (check_cache, check_call, check_embeds, check_inputs, check_
                      check_padding, check_processors, eager_cache, is_batch, prepare_call)
 from .distributed import check_tensor_parallel_call
 from .drafter import DartDrafter, batch_bucket, bucket
-from .eager_step import EagerStep
 from .modeling import DartHead
 from .rows import (ColumnStream, Rows, fast_criteria, final_length, first_stop, first_stops, result,
                    scores_after_stop)
-from .static_step import static_requested, static_step
+from .step import DartStep, dynamic_step, fixed_step, static_requested
 from .stats import DartStats, PhaseTimer
 from .target import aux_request, aux_states, cache_kwargs, check_head_matches_target
 from .tree import DraftTrees
-
-
-class StepBackend(Protocol):
-    """What the loop needs of a step backend (`EagerStep`, `StaticStep`)."""
-
-    cache: object  # what the prefill writes into
-    returned_cache: object  # what `generate` returns as the cache
-    cache_rows: int  # rows the prefill writes: the call's, then copies of the first (the static step's batch bucket)
-    static: bool
-    compiled: bool
-    reason: str | None  # why the call runs the eager step, or what of the static step runs outside its graph
-
-    def start(self, input_ids: torch.Tensor, lefts: list[int], aux: torch.Tensor, first: torch.Tensor) -> None: ...
-
-    def step(self, budget: int, max_new: list[int], accept: StepAcceptance, active: list[int],
-             timer: PhaseTimer) -> tuple[DraftTrees | None, BatchAccepted]: ...
-
-    def retire(self, keep: list[int]) -> None: ...
 
 
 @torch.no_grad()
@@ -165,17 +144,17 @@ def _call_budget(head: DartHead, model, requested, lookup: bool, state, sampled:
 
 
 def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig, model_kwargs: dict,
-             budgets: CallBudget, lookup: bool, accept: StepAcceptance, keep: bool) -> StepBackend | None:
-    """The static step when the call asks for a static cache and it can run it (one tree size for the call:
-    `CallBudget.call_budget`), else the eager step; None: the call asks for a static cache at a budget of 0 (plain
-    decoding for the call, `_plain_call`)."""
+             budgets: CallBudget, lookup: bool, accept: StepAcceptance, keep: bool) -> DartStep | None:
+    """The fixed-shape step when the call asks for a static cache and it can run it (one tree size for the call:
+    `CallBudget.call_budget`), else the step over a `DynamicCache`; None: the call asks for a static cache at a budget
+    of 0 (plain decoding for the call, `_plain_call`)."""
     static, reason = None, None
     if static_requested(config, model_kwargs):
         budget = budgets.call_budget(len(rows), (batch_bucket(len(rows)), bucket(config.max_length), accept.vectorised))
         if budget == 0:
             return None
-        static, reason = static_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
-                                     accept.vectorised)
+        static, reason = fixed_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
+                                    accept.vectorised)
     if static is not None:
         budgets.hold(static.nodes - 1)
         if not accept.vectorised:
@@ -186,7 +165,7 @@ def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig,
     drafter = DartDrafter(head, model, max_length=config.max_length, node_budget=budgets.fixed, prompt_lookup=lookup,
                           eos_token_ids=config._eos_token_tensor, rows=len(rows))
     cache = eager_cache(model, model_kwargs if reason is None else {})  # a refused StaticCache: a new cache
-    backend = EagerStep(model, drafter, cache, rows, head.config.aux_layer_ids)
+    backend = dynamic_step(model, drafter, cache, rows.lefts, config.max_length, head.config.aux_layer_ids)
     backend.reason = "; ".join(filter(None, [reason, _past_context(model, rows)])) or None
     return backend
 
@@ -203,7 +182,7 @@ def _past_context(model, rows: Rows) -> str | None:
     return f"{which} at or past the target's context ({context} tokens): decoded plainly"
 
 
-def _prefill(model, input_ids, attention_mask, rows: Rows, backend: StepBackend, accept: StepAcceptance,
+def _prefill(model, input_ids, attention_mask, rows: Rows, backend: DartStep, accept: StepAcceptance,
              aux_ids: list[int]) -> BatchAccepted:
     """The prompts' forward `generate` runs (2D mask, positions counted from each row's first real token) into the
     backend's cache, and its choice of each row's first token; the backend gets the layer inputs the head reads.
@@ -283,7 +262,7 @@ def _row_stop(rows: Rows, b: int, step: BatchAccepted, i: int, stopping_criteria
     return n if stop is None else stop
 
 
-def _retire(rows: Rows, active: list[int], backend: StepBackend, max_length: int, pad_finished: bool) -> list[int]:
+def _retire(rows: Rows, active: list[int], backend: DartStep, max_length: int, pad_finished: bool) -> list[int]:
     """The rows that need more tokens (the backend keeps only those); returns them."""
     all_done = all(d is not None for d in rows.done)
     final = max((d for d in rows.done if d is not None), default=0)

@@ -417,7 +417,7 @@ class DartHead(DartPreTrainedModel):
         at lengths[b] + R + j, where the next call overwrites them; the caller adds `real` to `lengths`. A query sees
         its row's real slots (up to lengths[b] + real[b]) and, for MASK row j, MASK slots 0..j; RoPE places real row
         i at lengths[b] + i and MASK row j at lengths[b] + real[b] + j, as one forward over the real rows followed by
-        the MASK rows would. No host sync: the compiled step (`static_step`) runs it on fixed-size caches.
+        the MASK rows would. No host sync: the compiled step (`step.decode_step`) runs it on fixed-size caches.
         kv_len: attend to the first kv_len slots only (a Python int >= max(lengths) + R + K; default: all)."""
         full = self.config.num_predictions
         if not 1 <= depth <= full:

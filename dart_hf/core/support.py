@@ -1,7 +1,7 @@
 """Which targets DART's tree verification runs exactly, decided from the config before any work.
 
 Tree verification runs the target once over every drafted node and then drops the cache entries of the rejected
-ones (`RaggedCache.commit`). That is sound for attention layers, full or sliding-window: a node's keys and values
+ones (`step.commit`). That is sound for attention layers, full or sliding-window: a node's keys and values
 depend only on its own path, and an entry can be dropped. It is not sound for a layer that carries a recurrent state
 (state-space / Mamba, linear attention, short convolutions, RG-LRU): its state after the tree is a mix of every node,
 and no entry can be dropped from it. Such targets, and the few other layouts verification cannot compact, are refused

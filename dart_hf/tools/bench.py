@@ -12,7 +12,7 @@ On the same prompts (HumanEval and held-out ShareGPT), greedy, after a warm-up g
 `--compiled` adds, one row each, what a GPU user runs (off by default: each compiles for a minute or more on a CPU):
 
     plain_compiled      target.generate(ids, cache_implementation="static", compile_config=...)
-    dart_compiled_<B>   the same with assistant_model=head, dart_node_budget=B (`core.static_step`), per --budget
+    dart_compiled_<B>   the same with assistant_model=head, dart_node_budget=B (`core.step`, a static cache), per --budget
     dart_compiled_auto  the same with dart_node_budget="auto" (the cost-aware tree size the static call holds)
 
 reported also as a speed-up over plain_compiled; each is first called once on every prompt, untimed, to compile (those

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..core.eager_step import decode_cache, verify_tree
+from ..core.step import decode_cache, verify_tree
 from ..core.target import cache_kwargs
 from ..core.tree import DraftTree, ancestor_mask
 from .machine import CpuUse
