@@ -16,7 +16,7 @@
 # 4. the synthetic bench with flex_attention (first call compiles the kernel; ~2-3 min);
 # 5. the DART step under CUDA graphs (DART_HF_CUDA_GRAPHS=1, compile mode "reduce-overhead", what plain generate
 #    uses on CUDA), budget 7, outputs compared with plain: if this part gives a wrong token or crashes, the default
-#    (CUDA graphs off for the DART step, `static_step.compile_options`) must stay (~2-3 min);
+#    (CUDA graphs off for the DART step, `step.compile_options`) must stay (~2-3 min);
 # 6. part 3 sampling with Qwen3's shipped settings (`--qwen3-sampling`: temperature 0.6, top-p 0.95, top-k 20), every
 #    call seeded alike: compiled DART step / compiled plain step when both sample, budgets 7 60 (outputs are not
 #    compared: sampled texts differ by method; 6 compiles, ~5-7 min);

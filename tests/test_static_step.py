@@ -171,6 +171,30 @@ def test_a_dynamic_call_reports_no_static_step(llama, llama_head):
 
 
 # ------------------------------------------------------------------------------------------------ the captured step
+def test_a_compiled_call_compiles_before_it_decodes_and_later_calls_of_its_shape_compile_nothing(caplog):
+    """The first call of a shape makes its graphs on a twin of its state before its first decode step, says so in one
+    log line (every graph of the call is made there), and decodes exactly; later calls of the shape make none."""
+    import re
+
+    target = make_target("llama", seed=11, num_hidden_layers=3)  # a shape no other test compiles
+    head = make_head(target)
+    kw = dict(assistant_model=head, do_sample=False, max_new_tokens=24, dart_node_budget=5,
+              cache_implementation="static", compile_config=compile_config())
+    for i, ids in enumerate(prompts(3, seed=71)):
+        caplog.clear()
+        graphs = counters["stats"]["unique_graphs"]
+        with caplog.at_level("WARNING", logger="dart_hf.core.step"):
+            out = target.generate(ids, **kw)
+        made = counters["stats"]["unique_graphs"] - graphs
+        lines = [r.getMessage() for r in caplog.records if "compiled the DART step" in r.getMessage()]
+        assert torch.equal(out, target.generate(ids, do_sample=False, max_new_tokens=24))
+        if i == 0:
+            assert len(lines) == 1 and "before decoding" in lines[0], lines
+            assert made >= 1 and int(re.search(r"(\d+) graph\(s\)", lines[0]).group(1)) == made, (lines, made)
+        else:
+            assert made == 0 and not lines, (made, lines)
+
+
 def test_step_is_one_graph_with_no_recompilation_across_steps_and_calls(qwen3):
     """fullgraph=True (a graph break raises), and after the first capture, every further step of this call and of
     calls with other prompts runs the same graph (cache lengths are rounded: nearby lengths share it)."""

@@ -171,7 +171,7 @@ class BudgetPolicy:
         sizes = np.asarray(sizes, dtype=np.int64)
         expected = np.where((obs[sizes] > 0) | (sizes == 0), total[sizes], np.nan)
         seen = np.flatnonzero(obs > 0)
-        if len(seen) <= 1:
+        if not len(seen):
             return expected, np.where(sizes == 0, 0.0, np.nan)
         last = int(seen[-1])
         at = np.minimum(sizes, last)

@@ -34,11 +34,15 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.utils import logging
 
 from .acceptance import BatchAccepted, StepAcceptance
 from .distributed import tensor_parallel_group
@@ -49,6 +53,7 @@ from .target import backend_mask, layer_windows, target_forward
 from .tree import DraftTree, DraftTrees
 
 CUDA_GRAPHS = os.environ.get("DART_HF_CUDA_GRAPHS") == "1"  # opt in to CUDA graphs for the DART step (untested)
+logger = logging.get_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- the caches
@@ -239,6 +244,7 @@ def decode_step(target, cache, drafter: DartDrafter, rows: RowSlots, spec: StepS
 
 
 _COMPILED: dict = {}
+_WARMED: set = set()  # the shapes whose compiled step this process has run (`DartStep._compile_first`)
 _COMPILE_LOCK = threading.Lock()
 
 
@@ -312,6 +318,7 @@ class DartStep:
         self.active = list(range(call_rows))  # the caller's active rows, as indices into this step's rows
         self.seeds: torch.Tensor | None = None  # a fixed step's rows' sampling seeds, the extra rows' the first's
         self.compile_options: dict | None = None  # torch.compile options (None: uncompiled)
+        self.twin: Callable[[], "DartStep"] | None = None  # makes a step of the same shapes (`_compile_first`)
         self.reason: str | None = None  # why the call has no fixed-shape step, or what of it runs outside its graph
         if self.static:
             for t in [*drafter.tensors(), *vars(self.rows).values()]:  # updated in place: fixed addresses
@@ -380,6 +387,8 @@ class DartStep:
         device-to-host copy (lengths, tokens, ranks); with `dart_timing` its parts are captured and timed one by one
         (phases draft = head + tree search, verify, accept). Processors off the device, or returned scores (one row):
         the captured draft and verify, the call's acceptance walk (eager), the captured commit."""
+        if self.compiled and self.twin is not None:
+            self._compile_first(accept, active, timer)
         run, drafter, spec, rows = self._run, self.drafter, self.spec, self.rows
         depth = self.depth
         if accept.vectorised and not timer.requested:
@@ -401,6 +410,40 @@ class DartStep:
                 pad(step.tokens), aux)
         step.lengths = step.lengths.cpu()
         return tree, step
+
+    def _compile_first(self, accept: StepAcceptance, active: list[int], timer: PhaseTimer) -> None:
+        """Before the call's first decode step: where this process has not yet run a compiled step of this shape,
+        run one on a twin (the same shapes, its own cache and buffers: the call's state is untouched), so that what
+        the call runs is compiled before it decodes, and say how long it took (one log line). Later calls of the
+        shape find the graphs made (the twin is not made again)."""
+        make, self.twin = self.twin, None
+        key = (id(self.target), repr(sorted(self.compile_options.items())), self.cache_rows,
+               self.cache.layers[0].max_cache_len, self.nodes, self.depth, accept.mode, accept.keep_scores,
+               accept.seeds is None, repr(accept.device_processors), timer.requested)
+        with _COMPILE_LOCK:
+            if key in _WARMED:
+                return
+            _WARMED.add(key)
+        twin, layers = make(), self.cache.layers  # the twin starts from a copy of the call's state after its prefill
+        twin.cache.early_initialization(self.cache_rows, [layer.keys.shape[1] for layer in layers],
+                                        [layer.keys.shape[3] for layer in layers], layers[0].keys.dtype,
+                                        layers[0].keys.device)
+        for mine, copy in zip(layers, twin.cache.layers):
+            for name in ("keys", "values", "cumulative_length"):
+                getattr(copy, name).copy_(getattr(mine, name))
+        for mine, copy in zip([*self.drafter.tensors(), *vars(self.rows).values()],
+                              [*twin.drafter.tensors(), *vars(twin.rows).values()]):
+            copy.copy_(mine)
+        twin.compile_options, twin.seeds, twin.active = self.compile_options, self._seeds(accept), self.active
+        graphs, began = counters["stats"]["unique_graphs"], time.perf_counter()
+        twin._fixed_step(accept, active, PhaseTimer({}, self.drafter.device, timer.requested))
+        if twin.compile_options is None:  # torch.compile refused (its recompile limit): the call runs uncompiled
+            self.compile_options, self.reason = None, twin.reason
+        made = counters["stats"]["unique_graphs"] - graphs
+        if made:
+            logger.warning(f"dart_hf: compiled the DART step for {self.cache_rows} row(s), {self.nodes} tree nodes and "
+                           f"{layers[0].max_cache_len} cache slots before decoding: {made} graph(s) in "
+                           f"{time.perf_counter() - began:.1f} s (once per process and shape)")
 
     def retire(self, keep: list[int]) -> None:
         """After a step: only the rows `keep` (indices into the active rows) decode on. Over a `DynamicCache` finished
@@ -467,16 +510,21 @@ def fixed_step(model, head: DartHead, input_ids: torch.Tensor, attention_mask, g
         return None, reason
     max_length = generation_config.max_length
     depth = draft_depth(node_budget, max_length, head.config.num_predictions)
-    rows = batch_bucket(input_ids.shape[0])
-    drafter = DartDrafter(head, model, max_length=max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
-                          eos_token_ids=generation_config._eos_token_tensor, rows=rows, pending=depth + 1, full=True)
-    # every committed token plus one tree past the furthest row and a path of slack for a row that finishes past
-    # max_length, sized by the one rounding rule (`drafter.bucket`), so that calls of nearby lengths share one graph
-    # (generate's own cache of max_length slots would recompile for every prompt length)
-    cache = static_cache(model.config, bucket(max_length) + node_budget + 1 + 2 * (depth + 1))
-    step = DartStep(model, drafter, cache, [0] * input_ids.shape[0], max_length, aux_layer_ids, input_ids.shape[0],
-                    depth)
-    if model._valid_auto_compile_criteria({"cache": cache}, generation_config):
+    call_rows = input_ids.shape[0]
+
+    def make() -> DartStep:
+        drafter = DartDrafter(head, model, max_length=max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
+                              eos_token_ids=generation_config._eos_token_tensor, rows=batch_bucket(call_rows),
+                              pending=depth + 1, full=True)
+        # every committed token plus one tree past the furthest row and a path of slack for a row that finishes past
+        # max_length, sized by the one rounding rule (`drafter.bucket`), so that calls of nearby lengths share one
+        # graph (generate's own cache of max_length slots would recompile for every prompt length)
+        cache = static_cache(model.config, bucket(max_length) + node_budget + 1 + 2 * (depth + 1))
+        return DartStep(model, drafter, cache, [0] * call_rows, max_length, aux_layer_ids, call_rows, depth)
+
+    step = make()
+    if model._valid_auto_compile_criteria({"cache": step.cache}, generation_config):
         config = generation_config.compile_config or model._default_compile_config()
         step.compile_options, step.reason = compile_options(config.to_dict())
+        step.twin = make
     return step, None
