@@ -12,7 +12,8 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 import dart_hf
 from conftest import accept_greedy, check_closed, compact_cache, make_head, make_target, prompts
-from dart_hf.core.budget import LADDER, BudgetPolicy, BudgetState, CallAcceptance, budget_policy, path_ranks
+from dart_hf.core.budget import (LADDER, BudgetPolicy, BudgetState, CallAcceptance, budget_policy, ladder_around,
+                                 path_ranks)
 from dart_hf.core.step import decode_cache, verify_tree
 from dart_hf.core.rows import first_stops
 from dart_hf.core.tree import DraftTrees, TreeSearchParams, build_tree
@@ -270,6 +271,27 @@ def test_a_held_shape_keeps_the_size_of_its_first_call():
     simulate(policy, clock, AMD, SAMPLED, 600)  # the rule learns that plain decoding is best here
     assert policy.call_budget(1, ("shape a",)) == first > 0
     assert policy.call_budget(1, ("shape b",)) == 0
+
+
+def test_ladder_around_a_size():
+    assert ladder_around(5) == (3, 5, 8) and ladder_around(1) == (1, 2) and ladder_around(60) == (34, 60)
+    assert ladder_around(7, (2, 5, 13)) == (5, 7, 13)
+
+
+@pytest.mark.parametrize("name", ["intel greedy", "amd code", "gpu greedy", "gpu sampled"])
+def test_a_compiled_ladder_policy_never_decodes_plainly_and_finds_its_best_size(name):
+    """A compiled call's policy (its shape's ladder, no plain decoding: `plain=False`) over scripted step times and
+    acceptance: never 0, and at least 0.94x the best of its ladder's sizes in hindsight, exploration included."""
+    cost, increments = SCENARIOS[name]
+    for held in (3, 13):
+        sizes = ladder_around(held)
+        clock = FakeClock()
+        policy = BudgetPolicy(sizes, clock, plain=False)
+        assert policy.candidates == list(sizes)
+        tps, chosen = simulate(policy, clock, cost, increments, 600)
+        best = max((1.0 + increments[:b].sum()) / cost(b) for b in sizes)
+        assert 0 not in chosen and set(chosen) <= set(sizes)
+        assert tps >= 0.94 * best, (name, held, tps / best)
 
 
 def test_statistics_from_mixed_budgets_stay_monotone():

@@ -1,7 +1,8 @@
-"""A cost-aware call held at one tree size (the static step: each size is a compiled graph of its own): its shape
-takes the size rule's choice at the shape's first call and keeps it for every later call (no later call compiles a
-graph), and its steps feed the rule their acceptance (score ranks read with the step's result), as the eager step's
-do. Where the rule's choice for the shape is plain decoding, the whole call is plain `generate`."""
+"""A cost-aware static call (the fixed-shape step: each tree size is a compiled graph of its own): its shape takes the
+size rule's choice at the shape's first call and keeps it for every later call, its steps choosing among that size
+and its ladder neighbours (`ladder_around`: no later call compiles a graph), and its steps feed the rule their
+acceptance (score ranks read with the step's result), as the dynamic step's do. Where the rule's choice for the
+shape is plain decoding, the whole call is plain `generate`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from conftest import left_padded, make_head, make_target
 from dart_hf import DartStats
-from dart_hf.core.budget import START, BudgetPolicy, BudgetState
+from dart_hf.core.budget import START, BudgetPolicy, BudgetState, ladder_around
 
 pytestmark = pytest.mark.usefixtures("fresh_compiler_per_test")
 
@@ -32,11 +33,20 @@ class Recording(BudgetPolicy):
         super().observe(rows, budget, ranks, seconds, call, priced)
 
 
+class OnePolicy(BudgetState):
+    """A `BudgetState` whose every policy (a static shape's ladder too) is one `Recording`."""
+
+    def __init__(self, policy: Recording):
+        super().__init__()
+        self.recording = policy
+
+    def policy(self, target, prompt_lookup, sampled=False, ladder=None) -> BudgetPolicy:
+        return self.recording
+
+
 def recording_state(target, head, script: int | None = None, sampled: bool = False) -> tuple[BudgetState, Recording]:
-    state, policy = BudgetState(), Recording(script)
-    state.policy(target, head.config.prompt_lookup, sampled)
-    state.policies = dict.fromkeys(state.policies, policy)
-    return state, policy
+    policy = Recording(script)
+    return OnePolicy(policy), policy
 
 
 @pytest.mark.parametrize("lengths", [[7], [5, 11, 3]])
@@ -48,7 +58,7 @@ def test_the_static_step_feeds_the_policy_the_acceptance_the_eager_step_would(le
     head = make_head(target, node_budget=None, tree_top_k=96, beam_width=32)
     ids, mask = left_padded(lengths, seed=3)
     gen = dict(attention_mask=mask, do_sample=False, max_new_tokens=24)
-    state, static = recording_state(target, head)
+    state, static = recording_state(target, head, script=START)  # its ladder's steps: at START, as the eager ones
     stats = DartStats()
     out = target.generate(ids, assistant_model=head, cache_implementation="static", dart_budget_state=state,
                           dart_stats=stats, **gen)
@@ -65,8 +75,8 @@ def test_the_static_step_feeds_the_policy_the_acceptance_the_eager_step_would(le
 
 def test_a_static_shape_keeps_its_first_calls_size_while_the_rule_learns():
     """Through `generate`: a static call's shape (rows bucket, length bucket) takes the rule's one-row choice at its
-    first call; eager calls then teach the rule another choice; the same shape keeps its size (its graph exists), a
-    new length bucket takes the new choice."""
+    first call (its steps: that size's ladder); eager calls then teach the rule another choice; the same shape keeps
+    its ladder (its graphs exist), a new length bucket takes the new choice."""
     target = make_target("llama")
     head = make_head(target, node_budget=None)
     ids, mask = left_padded([6], seed=2)
@@ -75,17 +85,38 @@ def test_a_static_shape_keeps_its_first_calls_size_while_the_rule_learns():
     gen = dict(attention_mask=mask, do_sample=False, max_new_tokens=10, dart_budget_state=state)
     stats = DartStats()
     target.generate(ids, assistant_model=head, cache_implementation="static", dart_stats=stats, **gen)
-    first = stats.node_budget
-    assert first == START
+    ladder = set(ladder_around(START))
+    assert set(stats.node_budgets) <= ladder and stats.static
     policy.buckets.clear()
     policy.observe(1, 0, [()], 0.01)  # plain decoding timed, the first tree dearer: the rule's choice is 0
     policy.observe(1, 3, [[]], 0.05)
     assert policy.next_budget(1) == 0 and policy.choice == 0
     target.generate(ids, assistant_model=head, cache_implementation="static", dart_stats=stats, **gen)
-    assert stats.node_budget == first and stats.static
+    assert set(stats.node_budgets) <= ladder and stats.static
     target.generate(ids, assistant_model=head, cache_implementation="static", dart_stats=stats,
                     **{**gen, "max_new_tokens": 300})  # another length bucket: a graph of its own, the new choice
     assert stats.node_budget == 0 and stats.static_reason.startswith("plain decoding for the call")
+
+
+def test_a_static_calls_steps_move_on_its_ladder_by_their_own_times():
+    """The ladder's policy times the fixed-shape steps (a fake clock: every step one second whatever its size, as on
+    a GPU whose verify costs about the same up to dozens of tokens): within one call the steps take more than one of
+    the ladder's sizes (its probes), never another size, never plain decoding, and the text is plain `generate`'s."""
+    import itertools
+
+    target = make_target("llama")
+    head = make_head(target, node_budget=None)
+    ticks = itertools.count()
+    state = BudgetState(clock=lambda: float(next(ticks)))
+    ids, mask = left_padded([6, 9], seed=4)
+    gen = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=None)
+    stats = DartStats()
+    out = target.generate(ids, assistant_model=head, cache_implementation="static", disable_compile=True,
+                          dart_budget_state=state, dart_stats=stats, **gen)
+    assert torch.equal(out, target.generate(ids, **gen))
+    assert stats.static and stats.budget_mode == "auto"
+    assert set(stats.node_budgets) <= set(ladder_around(START)) and len(set(stats.node_budgets)) >= 2, \
+        stats.node_budgets
 
 
 class Collect(BaseStreamer):

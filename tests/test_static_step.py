@@ -310,22 +310,31 @@ def test_compiled_step_on_smollm2_equals_plain_eager_and_compiled():
     assert torch.equal(out, ref), (tok.decode(out[0, ids.shape[1]:]), tok.decode(ref[0, ids.shape[1]:]))
 
 
-def test_past_dynamos_recompile_limit_the_step_runs_uncompiled_and_says_so(qwen3):
-    """dynamo keeps a bounded number of graphs per function (every target, budget and cache size is one); past it,
-    a fullgraph compile raises before running, and the call goes on with the static step uncompiled, exactly."""
+def test_each_shape_keeps_its_graph_and_past_dynamos_limit_a_step_runs_uncompiled_and_says_so(qwen3):
+    """Every shape (tree size, rows, cache slots) compiles its own copy of the step, so shapes never share dynamo's
+    limit of graphs per function; a copy re-captured past the limit (here: other sampling settings, a guard of the
+    same shape) raises before running, and the call goes on with the static step uncompiled, exactly."""
     import torch._dynamo
 
     target, head = qwen3
     ids = prompts(1, seed=60)[0]
     ref = target.generate(ids, do_sample=False, max_new_tokens=12)
     torch._dynamo.reset()  # this test's graphs only
+    kw = dict(assistant_model=head, max_new_tokens=12, cache_implementation="static", compile_config=compile_config())
     with torch._dynamo.config.patch(recompile_limit=1):
-        for budget in (2, 3):  # a second graph of decode_step
+        for budget in (2, 3, 5):  # three shapes: a graph each
             stats = dart_hf.DartStats()
-            out = target.generate(ids, assistant_model=head, do_sample=False, max_new_tokens=12,
-                                  dart_node_budget=budget, cache_implementation="static",
-                                  compile_config=compile_config(), dart_stats=stats)
-            assert torch.equal(out, ref)
+            out = target.generate(ids, do_sample=False, dart_node_budget=budget, dart_stats=stats, **kw)
+            assert torch.equal(out, ref) and stats.compiled, stats.static_reason
+        texts = []
+        for temperature in (0.7, 0.9):  # budget 2 again, sampled: a new graph; then another guard of that shape
+            torch.manual_seed(1)
+            texts.append(target.generate(ids, do_sample=True, temperature=temperature, dart_node_budget=2,
+                                         dart_stats=stats, **kw))
+            torch.manual_seed(1)
+            assert torch.equal(texts[-1], target.generate(ids, assistant_model=head, do_sample=True,
+                                                          temperature=temperature, max_new_tokens=12,
+                                                          dart_node_budget=0))
     assert stats.static and not stats.compiled and "refused another graph of decode_step" in stats.static_reason
 
 

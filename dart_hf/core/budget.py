@@ -26,8 +26,10 @@ plain decoding once, then `START` (or another bucket's choice). Measured on scri
 (`tests/test_budget.py`): 0.955-0.99x the best of plain decoding and every fixed size in hindsight, exploration
 included.
 
-A call held at one size for all its steps (the static step, a compiled graph per size) takes its shape's size at
-that shape's first call, and keeps it: a compile never happens inside a later call (`BudgetPolicy.call_budget`).
+A compiled call (the static step, a graph per size) takes its shape's size at that shape's first call and keeps it
+(`BudgetPolicy.call_budget`; 0: plain decoding for the call); its steps then choose among that size and its
+neighbours on the ladder (`ladder_around`), each compiled before the shape's first decode step, by a policy of their
+own timed by that shape's steps: a compile never happens inside a later call.
 
 One policy may serve several calls at once (threads sharing a head): its statistics are guarded by a lock; each call
 times its own steps (`CallBudget`).
@@ -102,8 +104,10 @@ class BudgetPolicy:
     """Chooses each step's node budget (see the module docstring). `sizes`: the tree sizes it may take (default
     `LADDER`); `clock`: seconds, for the step times."""
 
-    def __init__(self, sizes: Sequence[int] = LADDER, clock: Callable[[], float] = time.perf_counter):
-        self.candidates = [0, *sorted(set(int(s) for s in sizes if s > 0))]
+    def __init__(self, sizes: Sequence[int] = LADDER, clock: Callable[[], float] = time.perf_counter,
+                 plain: bool = True):
+        self.plain = plain  # plain decoding (0) is a candidate (not for a compiled step's ladder: `ladder_around`)
+        self.candidates = [0] * plain + sorted(set(int(s) for s in sizes if s > 0))
         self.clock = clock
         self.decay = 0.5 ** (1.0 / _HALF_LIFE)
         largest = self.candidates[-1]
@@ -201,7 +205,7 @@ class BudgetPolicy:
         points = sorted(timed.items())
         out = np.full(len(self.candidates), np.nan)
         if not any(b > 0 for b, _ in points):
-            out[0] = timed.get(0, np.nan)
+            out[0] = timed.get(0, np.nan) if self.plain else np.nan
             return out
         xs, ys = np.array([b for b, _ in points], float), np.array([t for _, t in points], float)
         sizes = np.asarray(self.candidates, float)
@@ -212,7 +216,11 @@ class BudgetPolicy:
             last = (xs[trees][-2:], ys[trees][-2:]) if trees.sum() >= 2 else (xs[-2:], ys[-2:])
             slope = max((last[1][-1] - last[1][0]) / (last[0][-1] - last[0][0]), 0.0) if len(last[0]) == 2 else 0.0
             out[above[1:]] = ys[-1] + slope * (sizes[above[1:]] - xs[-1])
-        if 0 not in timed:
+        below = [i for i, b in enumerate(self.candidates) if b < xs[0]]
+        if below and len(xs) >= 2:  # no plain decoding timed below (a ladder): along the first segment
+            slope = max((ys[1] - ys[0]) / (xs[1] - xs[0]), 0.0)
+            out[below] = np.maximum(ys[0] - slope * (xs[0] - sizes[below]), 0.5 * ys[0])
+        if self.plain and 0 not in timed:
             out[0] = np.nan
         return out
 
@@ -221,7 +229,7 @@ class BudgetPolicy:
         """The next step's budget for `rows` active rows, by the `call`'s acceptance (`CallAcceptance`)."""
         with self.lock:
             state = self.buckets.setdefault(batch_bucket(rows), _Bucket())
-            if state.median(0) is None:  # plain decoding is timed once first
+            if self.plain and state.median(0) is None:  # plain decoding is timed once first
                 return 0
             prices = self.prices(rows)
             if np.isnan(prices[1:]).all():
@@ -249,7 +257,7 @@ class BudgetPolicy:
     def _first_tree(self) -> int:
         """A bucket's first tree: another bucket's choice of a tree, else `START`."""
         chosen = [s.choice for s in self.buckets.values() if s.choice]
-        return min(chosen, key=lambda b: abs(b - START)) if chosen else min(START, self.candidates[-1])
+        return min(chosen or [b for b in self.candidates if b], key=lambda b: abs(b - START))
 
     def call_budget(self, rows: int, shape: tuple) -> int:
         """The one tree size of every call of `shape` (a compiled graph each: rows, length bucket, compile options)
@@ -261,6 +269,14 @@ class BudgetPolicy:
                 chosen = self.buckets.get(batch_bucket(rows))
                 self.held[shape] = chosen.choice if chosen is not None and chosen.choice is not None else self.choice
             return self.held[shape]
+
+
+def ladder_around(size: int, sizes: Sequence[int] = LADDER) -> tuple[int, ...]:
+    """The tree sizes a compiled call of a shape held at `size` may take per step: `size` and its neighbours on
+    `sizes` (each a graph, compiled before the shape's first decode step)."""
+    trees = sorted(set(int(s) for s in sizes if s > 0) | {int(size)})
+    i = trees.index(size)
+    return tuple(trees[max(i - 1, 0) : i + 2])
 
 
 def wants_size_rule(head, requested) -> bool:
@@ -296,8 +312,12 @@ class CallBudget:
         return shared_budget(self.group, self.policy.call_budget(rows, shape), self.target)
 
     def hold(self, budget: int) -> None:
-        """Every step of the call runs `budget` (the static step's one tree size)."""
+        """Every step of the call runs `budget` (a fixed step of one tree size)."""
         self.fixed, self.held = budget, True
+
+    def use(self, policy: BudgetPolicy) -> None:
+        """The call's steps take `policy`'s sizes (a compiled call's ladder: `ladder_around`), by its own times."""
+        self.policy, self.held, self.accepted = policy, False, CallAcceptance(len(policy.obs))
 
     def next(self, rows: int) -> int:
         """This step's node budget per row, for `rows` active rows."""
@@ -324,7 +344,8 @@ class CallBudget:
         if self.held:
             self.policy.observe(len(lengths), budget, ranks, None)
             return
-        steady = budget == 0 or self.previous > 0  # a tree after plain steps catches its head up: not timed, rerun
+        # a tree after plain steps catches its head up: not timed, rerun (a fixed step's head never waits)
+        steady = budget == 0 or self.previous > 0 or not self.policy.plain
         self.policy.observe(self.rows, budget, ranks, self.policy.clock() - self.started, self.accepted, priced=steady)
         self.previous, self.repeat = budget, None if steady else budget
 
@@ -339,14 +360,17 @@ class BudgetState:
         self.policies: dict[tuple, BudgetPolicy] = {}
         self._lock = threading.Lock()
 
-    def policy(self, target, prompt_lookup: bool, sampled: bool = False) -> BudgetPolicy:
+    def policy(self, target, prompt_lookup: bool, sampled: bool = False, ladder: tuple | None = None) -> BudgetPolicy:
+        """ladder: (sizes, shape) of a compiled call's step: a policy of its own over those sizes (no plain
+        decoding), timed by that shape's steps."""
         text = target.config.get_text_config(decoder=True)
         shape = tuple(getattr(text, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
         key = (type(target).__name__, target.config._name_or_path, shape, str(target.dtype), str(target.device),
-               bool(prompt_lookup), bool(sampled))
+               bool(prompt_lookup), bool(sampled), ladder)
         with self._lock:
             if key not in self.policies:
-                self.policies[key] = BudgetPolicy(self.sizes, self.clock)
+                self.policies[key] = (BudgetPolicy(self.sizes, self.clock) if ladder is None else
+                                      BudgetPolicy(ladder[0], self.clock, plain=False))
             return self.policies[key]
 
     def reset(self) -> None:
@@ -360,7 +384,7 @@ _state_lock = threading.Lock()  # one `head.budget_state` however many calls sta
 
 
 def budget_policy(head, target, prompt_lookup: bool | None = None, state: BudgetState | None = None,
-                  sampled: bool = False) -> BudgetPolicy:
+                  sampled: bool = False, ladder: tuple | None = None) -> BudgetPolicy:
     """The policy of (target, prompt lookup, sampling) in `state` (default: `head.budget_state`, attached on first
     use)."""
     if state is None:
@@ -370,8 +394,5 @@ def budget_policy(head, target, prompt_lookup: bool | None = None, state: Budget
             state = head.budget_state
     if not isinstance(state, BudgetState):
         raise TypeError(f"the budget state must be a dart_hf.core.budget.BudgetState, got {type(state).__name__}")
-    return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup, sampled)
+    return state.policy(target, head.config.prompt_lookup if prompt_lookup is None else prompt_lookup, sampled, ladder)
 
-
-__all__ = ["BudgetPolicy", "BudgetState", "CallAcceptance", "CallBudget", "LADDER", "START", "budget_policy",
-           "path_ranks", "wants_size_rule"]

@@ -1,5 +1,5 @@
 """The draft half of a DART step: the head's state for a call, its forward and the tree search (docs/DART_SPEC.md §1,
-§3), written once for the step (`step.DartStep`: over a dynamic or a static cache) and chain mode
+§3), written once for the step (`step.DartStep`, over a dynamic or a static cache) and chain mode
 (`dart_hf.integrations.transformers.DartCandidateGenerator`).
 
 A `DartDrafter` lives for one `generate` call and holds, per row, as device tensors of fixed shapes:

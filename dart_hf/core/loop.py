@@ -33,7 +33,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .acceptance import BatchAccepted, StepAcceptance
-from .budget import CallBudget, budget_policy, wants_size_rule
+from .budget import CallBudget, budget_policy, ladder_around, wants_size_rule
 from .checks import (check_cache, check_call, check_embeds, check_inputs, check_model_inputs, check_node_budget,
                      check_padding, check_processors, eager_cache, is_batch, prepare_call)
 from .distributed import check_tensor_parallel_call
@@ -77,7 +77,8 @@ def dart_decode(
     rows = Rows(input_ids, torch.ones_like(input_ids) if mask is None else mask.to(torch.long))
     keep = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
     accept = StepAcceptance(logits_processor, bool(config.do_sample), rows, keep, model.device)
-    backend = _backend(model, head, input_ids, mask, rows, config, model_kwargs, budgets, lookup, accept, keep)
+    backend = _backend(model, head, input_ids, mask, rows, config, model_kwargs, budgets, lookup, accept,
+                       dart_budget_state)
     if backend is None:  # plain decoding for the whole call
         return _plain_call(model, input_ids, logits_processor, stopping_criteria, config, dart_streamer, budgets, stats,
                            model_kwargs)
@@ -144,19 +145,26 @@ def _call_budget(head: DartHead, model, requested, lookup: bool, state, sampled:
 
 
 def _backend(model, head, input_ids, mask, rows: Rows, config: GenerationConfig, model_kwargs: dict,
-             budgets: CallBudget, lookup: bool, accept: StepAcceptance, keep: bool) -> DartStep | None:
-    """The fixed-shape step when the call asks for a static cache and it can run it (one tree size for the call:
-    `CallBudget.call_budget`), else the step over a `DynamicCache`; None: the call asks for a static cache at a budget
-    of 0 (plain decoding for the call, `_plain_call`)."""
+             budgets: CallBudget, lookup: bool, accept: StepAcceptance, state) -> DartStep | None:
+    """The fixed-shape step when the call asks for a static cache and it can run it, else the step over a
+    `DynamicCache`; None: the call asks for a static cache at a budget of 0 (plain decoding for the call,
+    `_plain_call`). A fixed step's tree size: the fixed one, or (the size rule) the shape's held size and its
+    neighbours on the ladder, chosen per step by a policy of that shape's own (`CallBudget.use`)."""
     static, reason = None, None
     if static_requested(config, model_kwargs):
-        budget = budgets.call_budget(len(rows), (batch_bucket(len(rows)), bucket(config.max_length), accept.vectorised))
+        shape = (batch_bucket(len(rows)), bucket(config.max_length), accept.vectorised)
+        budget = budgets.call_budget(len(rows), shape)
         if budget == 0:
             return None
-        static, reason = fixed_step(model, head, input_ids, mask, config, budget, lookup, head.config.aux_layer_ids,
+        sizes = (budget,) if budgets.policy is None else ladder_around(budget, budgets.policy.candidates)
+        static, reason = fixed_step(model, head, input_ids, mask, config, sizes, lookup, head.config.aux_layer_ids,
                                     accept.vectorised)
     if static is not None:
-        budgets.hold(static.nodes - 1)
+        if len(static.sizes) == 1:
+            budgets.hold(static.sizes[0])
+        else:
+            budgets.use(budget_policy(head, model, prompt_lookup=lookup, state=state, sampled=accept.do_sample,
+                                      ladder=(static.sizes, shape)))
         if not accept.vectorised:
             static.reason = "; ".join(filter(None, [static.reason, (
                 "acceptance walks the tree eagerly between the captured draft / verify and commit (logits "

@@ -5,9 +5,11 @@ transformers holds the keys in and whether the shapes are fixed:
 
 - `DartStep` over transformers' `DynamicCache` (the default): any tree size per step, the drafter's buffers read as
   far as they are filled, finished rows leave the batch;
-- `DartStep` over its `StaticCache` (`cache_implementation="static"`): every shape fixed for the call, so the whole
-  step (`decode_step`) is one graph that `torch.compile` captures (transformers' auto-compile decides, as for plain
-  `generate`); finished rows stay, masked. Eager (`disable_compile=True`) it is the same function, uncompiled.
+- `DartStep` over its `StaticCache` (`cache_implementation="static"`): every shape fixed for the call and a short
+  ladder of tree sizes, so the whole step (`decode_step`) is one graph per size that `torch.compile` captures
+  (transformers' auto-compile decides, as for plain `generate`), every size compiled before the call's first decode
+  step (`DartStep._compile_first`); finished rows stay, masked. Eager (`disable_compile=True`) it is the same
+  function, uncompiled.
 
 The layout (no model code copied, the cache stays transformers' own):
 - Row r's committed tokens sit in slots [left_r, end_r): its left padding first (never attended to), then its text
@@ -35,7 +37,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -248,16 +251,22 @@ _WARMED: set = set()  # the shapes whose compiled step this process has run (`Da
 _COMPILE_LOCK = threading.Lock()
 
 
-def compiled(fn, compile_options: dict | None):
+def compiled(fn, compile_options: dict | None, shape: tuple = ()):
     """`fn` compiled with fullgraph=True and the call's compile options (transformers' `CompileConfig`), made once
-    per process and options; None options: `fn` itself (uncompiled)."""
+    per process, options and `shape` (the step's rows, cache slots, tree size); None options: `fn` itself. Each
+    shape compiles its own copy of `fn` (a code object of its own, on which dynamo keeps its graphs), so the shapes a
+    process runs never share dynamo's limit of `recompile_limit` graphs per function (8): a server's batch buckets
+    and tree sizes each keep their graph, with no process-wide setting changed."""
     if compile_options is None:
         return fn
     options = {**compile_options, "fullgraph": True, "dynamic": False}
-    key = (fn, tuple(sorted((k, repr(v)) for k, v in options.items())))
+    key = (fn, tuple(sorted((k, repr(v)) for k, v in options.items())), shape)
     with _COMPILE_LOCK:
         if key not in _COMPILED:
-            _COMPILED[key] = torch.compile(fn, **options)
+            name = f"{fn.__name__}_{len(_COMPILED)}"
+            copy = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, fn.__name__, fn.__defaults__,
+                                      fn.__closure__)
+            _COMPILED[key] = torch.compile(copy, **options)
         return _COMPILED[key]
 
 
@@ -305,8 +314,10 @@ class DartStep:
     tokens on the host."""
 
     def __init__(self, target, drafter: DartDrafter, cache, lefts: list[int], max_length: int,
-                 aux_layer_ids: list[int], call_rows: int, depth: int = 0):
-        self.target, self.drafter, self.cache, self.depth = target, drafter, cache, depth  # depth: a fixed step's
+                 aux_layer_ids: list[int], call_rows: int):
+        self.target, self.drafter, self.cache, self.max_length = target, drafter, cache, max_length
+        self.sizes: tuple[int, ...] = ()  # a fixed step's tree sizes (a graph each), and its current one's depth
+        self.depth = 0
         self.spec = StepSpec.of(target, aux_layer_ids)
         self.static = isinstance(cache, StaticCache)
         n = len(lefts) if not self.static else drafter.kv.lengths.shape[0]
@@ -354,6 +365,7 @@ class DartStep:
     def step(self, budget: int, max_new: list[int], accept: StepAcceptance, active: list[int],
              timer: PhaseTimer) -> tuple[DraftTrees | None, BatchAccepted]:
         if self.static:
+            self.resize(budget)
             return self._fixed_step(accept, active, timer)
         return self._dynamic_step(budget, max_new, accept, active, timer)
 
@@ -383,10 +395,11 @@ class DartStep:
 
     def _fixed_step(self, accept: StepAcceptance, active: list[int],
                     timer: PhaseTimer) -> tuple[DraftTrees | None, BatchAccepted]:
-        """The call's one tree size on fixed shapes. The acceptance on the device: the captured `decode_step` and ONE
-        device-to-host copy (lengths, tokens, ranks); with `dart_timing` its parts are captured and timed one by one
-        (phases draft = head + tree search, verify, accept). Processors off the device, or returned scores (one row):
-        the captured draft and verify, the call's acceptance walk (eager), the captured commit."""
+        """One step at the step's tree size (one of `sizes`, `resize`) on fixed shapes. The acceptance on the device:
+        the captured `decode_step` and ONE device-to-host copy (lengths, tokens, ranks); with `dart_timing` its parts
+        are captured and timed one by one (phases draft = head + tree search, verify, accept). Processors off the
+        device, or returned scores (one row): the captured draft and verify, the call's acceptance walk (eager), the
+        captured commit."""
         if self.compiled and self.twin is not None:
             self._compile_first(accept, active, timer)
         run, drafter, spec, rows = self._run, self.drafter, self.spec, self.rows
@@ -411,6 +424,13 @@ class DartStep:
         step.lengths = step.lengths.cpu()
         return tree, step
 
+    def resize(self, budget: int) -> None:
+        """A fixed step's tree size for its next steps: one of its `sizes`, its draft depth with it."""
+        if budget not in self.sizes:
+            raise ValueError(f"tree size {budget} is not one of this fixed step's {self.sizes}")
+        self.drafter.params = replace(self.drafter.params, node_budget=int(budget))
+        self.depth = draft_depth(budget, self.max_length, self.drafter.head.config.num_predictions)
+
     def _compile_first(self, accept: StepAcceptance, active: list[int], timer: PhaseTimer) -> None:
         """Before the call's first decode step: where this process has not yet run a compiled step of this shape,
         run one on a twin (the same shapes, its own cache and buffers: the call's state is untouched), so that what
@@ -418,32 +438,34 @@ class DartStep:
         shape find the graphs made (the twin is not made again)."""
         make, self.twin = self.twin, None
         key = (id(self.target), repr(sorted(self.compile_options.items())), self.cache_rows,
-               self.cache.layers[0].max_cache_len, self.nodes, self.depth, accept.mode, accept.keep_scores,
-               accept.seeds is None, repr(accept.device_processors), timer.requested)
+               self.cache.layers[0].max_cache_len, self.sizes, accept.mode, accept.keep_scores, accept.seeds is None,
+               repr(accept.device_processors), timer.requested)
         with _COMPILE_LOCK:
             if key in _WARMED:
                 return
             _WARMED.add(key)
-        twin, layers = make(), self.cache.layers  # the twin starts from a copy of the call's state after its prefill
+        twin, layers = make(), self.cache.layers
         twin.cache.early_initialization(self.cache_rows, [layer.keys.shape[1] for layer in layers],
                                         [layer.keys.shape[3] for layer in layers], layers[0].keys.dtype,
                                         layers[0].keys.device)
-        for mine, copy in zip(layers, twin.cache.layers):
-            for name in ("keys", "values", "cumulative_length"):
-                getattr(copy, name).copy_(getattr(mine, name))
-        for mine, copy in zip([*self.drafter.tensors(), *vars(self.rows).values()],
-                              [*twin.drafter.tensors(), *vars(twin.rows).values()]):
-            copy.copy_(mine)
         twin.compile_options, twin.seeds, twin.active = self.compile_options, self._seeds(accept), self.active
         graphs, began = counters["stats"]["unique_graphs"], time.perf_counter()
-        twin._fixed_step(accept, active, PhaseTimer({}, self.drafter.device, timer.requested))
+        for size in self.sizes:  # each size's step from a copy of the call's state after its prefill
+            for mine, copy in zip(layers, twin.cache.layers):
+                for name in ("keys", "values", "cumulative_length"):
+                    getattr(copy, name).copy_(getattr(mine, name))
+            for mine, copy in zip([*self.drafter.tensors(), *vars(self.rows).values()],
+                                  [*twin.drafter.tensors(), *vars(twin.rows).values()]):
+                copy.copy_(mine)
+            twin.resize(size)
+            twin._fixed_step(accept, active, PhaseTimer({}, self.drafter.device, timer.requested))
         if twin.compile_options is None:  # torch.compile refused (its recompile limit): the call runs uncompiled
             self.compile_options, self.reason = None, twin.reason
         made = counters["stats"]["unique_graphs"] - graphs
         if made:
-            logger.warning(f"dart_hf: compiled the DART step for {self.cache_rows} row(s), {self.nodes} tree nodes and "
-                           f"{layers[0].max_cache_len} cache slots before decoding: {made} graph(s) in "
-                           f"{time.perf_counter() - began:.1f} s (once per process and shape)")
+            logger.warning(f"dart_hf: compiled the DART step for {self.cache_rows} row(s), tree sizes "
+                           f"{list(self.sizes)} and {layers[0].max_cache_len} cache slots before decoding: {made} "
+                           f"graph(s) in {time.perf_counter() - began:.1f} s (once per process and shape)")
 
     def retire(self, keep: list[int]) -> None:
         """After a step: only the rows `keep` (indices into the active rows) decode on. Over a `DynamicCache` finished
@@ -478,13 +500,14 @@ class DartStep:
                              tokens=host[:, 1 : m + 1], ranks=host[:, m + 1 :])
 
     def _run(self, fn, *args):
-        """`fn` compiled (the call's options), or uncompiled once torch.compile refused to capture it again: dynamo
-        keeps at most `recompile_limit` graphs per function (8), and every (target, budget, cache size) is one; the
-        refusal comes before the graph runs, so the state is untouched and the step runs uncompiled for the rest of
-        the call (`reason` says so in the stats)."""
+        """`fn` compiled (the call's options, this target and shape's own copy: `compiled`), or uncompiled once
+        torch.compile refused to capture it again (dynamo keeps at most `recompile_limit` graphs per copy: calls whose
+        guards differ, e.g. other sampling settings, each add one); the refusal comes before the graph runs, so the
+        state is untouched and the step runs uncompiled for the rest of the call (`reason` says so in the stats)."""
         if self.compile_options is not None:
             try:
-                return compiled(fn, self.compile_options)(*args)
+                shape = (id(self.target), self.cache_rows, self.cache.layers[0].max_cache_len, self.nodes, self.depth)
+                return compiled(fn, self.compile_options, shape)(*args)
             except torch._dynamo.exc.FailOnRecompileLimitHit as err:
                 self.compile_options = None
                 self.reason = (f"torch.compile refused another graph of {fn.__name__} in this process ({err}); "
@@ -499,28 +522,32 @@ def dynamic_step(target, drafter: DartDrafter, cache: DynamicCache, lefts: list[
 
 
 def fixed_step(model, head: DartHead, input_ids: torch.Tensor, attention_mask, generation_config: GenerationConfig,
-               node_budget: int, prompt_lookup: bool, aux_layer_ids: list[int],
+               sizes: tuple[int, ...], prompt_lookup: bool, aux_layer_ids: list[int],
                vectorised: bool) -> tuple[DartStep | None, str | None]:
     """(the call's fixed-shape `DartStep`, None), or (None, why the fixed-shape step was refused: the call runs over a
-    `DynamicCache`). The budget is fixed for the call; the step is compiled under transformers' own decision
-    (`_valid_auto_compile_criteria`) with the call's `compile_config`."""
+    `DynamicCache`). Each step takes one of the tree `sizes` (a graph each: the buffers fit the largest); the step
+    is compiled under transformers' own decision (`_valid_auto_compile_criteria`) with the call's
+    `compile_config`."""
     tensor_parallel = tensor_parallel_group(model) is not None
     reason = static_refusal(model, input_ids, attention_mask, generation_config, tensor_parallel, vectorised)
     if reason is not None:
         return None, reason
     max_length = generation_config.max_length
-    depth = draft_depth(node_budget, max_length, head.config.num_predictions)
+    depth = draft_depth(max(sizes), max_length, head.config.num_predictions)
     call_rows = input_ids.shape[0]
 
     def make() -> DartStep:
-        drafter = DartDrafter(head, model, max_length=max_length, node_budget=node_budget, prompt_lookup=prompt_lookup,
+        drafter = DartDrafter(head, model, max_length=max_length, node_budget=sizes[0], prompt_lookup=prompt_lookup,
                               eos_token_ids=generation_config._eos_token_tensor, rows=batch_bucket(call_rows),
                               pending=depth + 1, full=True)
         # every committed token plus one tree past the furthest row and a path of slack for a row that finishes past
         # max_length, sized by the one rounding rule (`drafter.bucket`), so that calls of nearby lengths share one
         # graph (generate's own cache of max_length slots would recompile for every prompt length)
-        cache = static_cache(model.config, bucket(max_length) + node_budget + 1 + 2 * (depth + 1))
-        return DartStep(model, drafter, cache, [0] * call_rows, max_length, aux_layer_ids, call_rows, depth)
+        cache = static_cache(model.config, bucket(max_length) + max(sizes) + 1 + 2 * (depth + 1))
+        step = DartStep(model, drafter, cache, [0] * call_rows, max_length, aux_layer_ids, call_rows)
+        step.sizes = tuple(sizes)
+        step.resize(sizes[0])
+        return step
 
     step = make()
     if model._valid_auto_compile_criteria({"cache": step.cache}, generation_config):

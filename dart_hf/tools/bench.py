@@ -13,7 +13,7 @@ On the same prompts (HumanEval and held-out ShareGPT), greedy, after a warm-up g
 
     plain_compiled      target.generate(ids, cache_implementation="static", compile_config=...)
     dart_compiled_<B>   the same with assistant_model=head, dart_node_budget=B (`core.step`, a static cache), per --budget
-    dart_compiled_auto  the same with dart_node_budget="auto" (the cost-aware tree size the static call holds)
+    dart_compiled_auto  the same with dart_node_budget="auto" (per step, the size rule on the shape's held ladder)
 
 reported also as a speed-up over plain_compiled; each is first called once on every prompt, untimed, to compile (those
 seconds are reported apart). `--profile` adds top-level aten ops and host syncs per decoding step and per new token

@@ -81,7 +81,7 @@ def compile_config(device: torch.device, backend: str = "inductor"):
 def compiled_methods(budgets: list[int], backend: str = "inductor") -> list[Method]:
     """plain_compiled (`generate(ids, cache_implementation="static", compile_config=...)`), dart_compiled_<B> (the
     same with the head at node budget B: `core.step` on a static cache) and dart_compiled_auto (the size the call's shape
-    holds: `core.budget.BudgetPolicy.call_budget`); one row or a left-padded batch each."""
+    holds and its ladder neighbours, per step: `core.budget.ladder_around`); one row or a left-padded batch each."""
     def plain(t, h, ids, **kw):
         return t.generate(ids, cache_implementation="static", compile_config=compile_config(t.device, backend), **kw)
 

@@ -159,7 +159,8 @@ def _compile_warmup(target, head, calls: list[tuple[torch.Tensor, torch.Tensor]]
     left-padded batch), untimed, at the bench's full length, longest first (transformers sizes a static cache for the
     longest call so far, so the shorter ones then reuse its graph; DART's buffers are sized by a bucket of 256
     slots): every graph the timed calls run is compiled here (a cost-aware compiled call takes its shape's size at
-    that shape's first call and keeps it: `core.budget.BudgetPolicy.call_budget`). Returns {method: {"seconds": all
+    that shape's first call and keeps it, with its ladder neighbours, all compiled in that call:
+    `core.budget.ladder_around`). Returns {method: {"seconds": all
     its warm-up calls, "first_call_seconds", "calls"}} (these seconds are not in the timed tokens/s)."""
     order = sorted(calls, key=lambda call: -call[0].shape[-1])
 
