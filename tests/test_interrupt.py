@@ -18,7 +18,8 @@ from dart_hf_cli import INTERRUPTED_EXIT, build_parser, main
 
 # `dart-hf convert` whose work blocks (no checkpoint needed): it says when it is inside the command, then waits
 BLOCKING_CONVERT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
     import dart_hf_cli
     import dart_hf.tools.convert as convert
 

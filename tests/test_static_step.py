@@ -419,7 +419,7 @@ def test_one_rounding_rule_sizes_every_buffer_of_a_step():
     for max_length in (230, 240, 247, 256, 257):
         config = GenerationConfig(max_length=max_length, do_sample=False, eos_token_id=None)
         config._eos_token_tensor = None
-        step, reason = static_step.fixed_step(target, head, ids, None, config, 8, True, [0, 3, 5], True)
+        step, reason = static_step.fixed_step(target, head, ids, None, config, (8,), True, [0, 3, 5], True)
         assert reason is None
         shapes[max_length] = (step.cache.layers[0].max_cache_len, tuple(step.drafter.kv.k.shape), tuple(step.drafter.text.shape))
     assert bucket(240) == bucket(247) == bucket(256) == 256 and bucket(257) == 512

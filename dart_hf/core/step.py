@@ -437,9 +437,10 @@ class DartStep:
         the call runs is compiled before it decodes, and say how long it took (one log line). Later calls of the
         shape find the graphs made (the twin is not made again)."""
         make, self.twin = self.twin, None
-        key = (id(self.target), repr(sorted(self.compile_options.items())), self.cache_rows,
-               self.cache.layers[0].max_cache_len, self.sizes, accept.mode, accept.keep_scores, accept.seeds is None,
-               repr(accept.device_processors), timer.requested)
+        processors = [(type(p).__name__, sorted(vars(p).items())) for p in accept.device_processors]  # (no address)
+        key = repr((id(self.target), sorted(self.compile_options.items()), self.cache_rows,
+                    self.cache.layers[0].max_cache_len, self.sizes, accept.mode, accept.keep_scores,
+                    accept.seeds is None, processors, timer.requested))
         with _COMPILE_LOCK:
             if key in _WARMED:
                 return
