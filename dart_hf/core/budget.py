@@ -289,9 +289,9 @@ class CallBudget:
     """The node budget of one call's steps as the loop sees it: `next` before a step, `observe` after it, one call
     each. A fixed budget stays fixed. The cost-aware one is the policy's, each step timed whole by this call (from
     `next` to the host read of the step's lengths in `observe`), with this call's own acceptance counts
-    (`CallAcceptance`). A call held at one tree size (`hold`: the static step) feeds the policy its acceptance only
-    (compiled steps are not the eager steps the rule prices). A tensor-parallel target takes the first rank's choice
-    on every rank."""
+    (`CallAcceptance`). A call held at one tree size (`hold`: a fixed step of one size) feeds the policy its
+    acceptance only; a fixed step's ladder of sizes takes its own policy (`use`). A tensor-parallel target takes the
+    first rank's choice on every rank."""
 
     def __init__(self, policy: BudgetPolicy | None, fixed: int, target):
         self.policy, self.fixed, self.target = policy, fixed, target

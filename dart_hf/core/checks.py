@@ -204,7 +204,7 @@ def check_cache(model_kwargs: dict) -> None:
 
 
 def eager_cache(model, model_kwargs: dict) -> DynamicCache:
-    """The cache the eager step decodes into: the caller's `DynamicCache` or a new one, its sliding-window layers
+    """The cache the step decodes into by default: the caller's `DynamicCache` or a new one, its sliding-window layers
     made full (`step.decode_cache`: the verify masks apply the windows)."""
     cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
     return decode_cache(model.config, cache if isinstance(cache, DynamicCache) else None)

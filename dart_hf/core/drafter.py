@@ -8,8 +8,8 @@ A `DartDrafter` lives for one `generate` call and holds, per row, as device tens
   `n_pend`): the next head forward reads them, then drafts;
 - the text so far (`text`, `text_len`): the n-gram context, prompt lookup and the tree's root read it.
 The device-side methods (`forward`, `search`, `append`) never read a length back, so the static step captures them
-whole. The eager step keeps host copies of the counts (`head_lens`, `used`, `pending`) so that it can slice the
-buffers to what is filled (`propose`, `advance`): the same buffers, the same methods, a narrower view.
+whole. The step over a `DynamicCache` keeps host copies of the counts (`head_lens`, `used`, `pending`) so that it can
+slice the buffers to what is filled (`propose`, `advance`): the same buffers, the same methods, a narrower view.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ class DartStats:
     and acceptance, timed from the proposal to the next `update_candidate_strategy`). The static greedy step is one
     captured function: its time is "step" (draft + tree + verify + accept + commit).
     static / compiled: whether the call ran the fixed-shape step (`cache_implementation="static"`), and whether
-    compiled; static_reason: why a call that asked for a static cache ran the eager loop instead, or which part of
-    its steps runs outside the captured graph. acceptance: how the tree mode accepted ("greedy", "device": sampling
+    compiled; static_reason: why a call that asked for a static cache ran over a `DynamicCache` instead, or which part
+    of its steps runs outside the captured graph. acceptance: how the tree mode accepted ("greedy", "device": sampling
     and the generation config's processors in batched passes on the device, "walk": other processors, one row and
     node at a time with a host read per node; `acceptance.StepAcceptance`).
     """
