@@ -8,8 +8,8 @@ then hands over to it, either through `custom_generate=dart_decode` or through t
 installed by `import dart_hf` (see `dart_hf.integrations.transformers`).
 
 The step (`step.DartStep`): over a `DynamicCache` (any tree size per step, finished rows leave the batch) or, where the
-call asks for a static cache, a `StaticCache` with every shape fixed (one tree size per call, the step captured by
-`torch.compile`). It drafts with `drafter.DartDrafter`, verifies with `target.target_forward` and accepts with the
+call asks for a static cache, a `StaticCache` with every shape fixed (a short ladder of tree sizes held per shape, a
+graph each, captured by `torch.compile` before the call decodes). It drafts with `drafter.DartDrafter`, verifies with `target.target_forward` and accepts with the
 call's `acceptance.StepAcceptance`. The node budget of each step is `budget.CallBudget`'s. Refusals: `checks.py`; the
 rows as `generate` holds, returns and streams them, and where each row stops: `rows.py`.
 
@@ -44,7 +44,6 @@ from .rows import (ColumnStream, Rows, fast_criteria, final_length, first_stop, 
 from .step import DartStep, dynamic_step, fixed_step, static_requested
 from .stats import DartStats, PhaseTimer
 from .target import aux_request, aux_states, cache_kwargs, check_head_matches_target
-from .tree import DraftTrees
 
 
 @torch.no_grad()

@@ -81,8 +81,9 @@ def static_cache(config, max_cache_len: int) -> StaticCache:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """The step's Python constants (a change recompiles): the layers the head reads, the attention backend, and each
-    distinct window's layer types (`masks`: None when every layer takes one mask)."""
+    """The step's Python constants (a change recompiles): the layers the head reads, the attention backend, the
+    distinct windows of the target's layers and each layer type's window (`by_type`: None when every layer takes one
+    mask)."""
 
     aux_ids: tuple[int, ...]
     attn: str
@@ -375,14 +376,14 @@ class DartStep:
         to the host once (the step's device work is done then), and the paths are cut to the longest."""
         drafter = self.drafter
         trees = drafter.propose(max_new, timer, budget).to(self.target.device)
+        end = self.rows.end(drafter)  # (the drafter's text grows only in `advance`, after the commit)
         with timer.phase("verify"):
-            logits, aux = verify(self.target, self.cache, self.spec, trees, self.rows, self.rows.end(drafter),
+            logits, aux = verify(self.target, self.cache, self.spec, trees, self.rows, end,
                                  plain_row=self.solid and trees.width == 1)
         with timer.phase("accept"):
             step = accept(trees, logits, active, drafter.text, drafter.text_len, trees.depth + 1)
             lengths = step.lengths.tolist()  # the step's one host read
             step = step.trimmed(max(lengths))  # as wide as the longest path: the cache keeps no slot past it
-            end = self.rows.end(drafter)
             furthest = max(left + used - 1 + n for left, used, n in zip(self.lefts, drafter.used, lengths))
             start = self.cache.get_seq_length() - trees.width
             if not (self.solid and trees.width == 1):  # a plain step of one row: its one node is in place already
